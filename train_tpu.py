@@ -1,0 +1,723 @@
+"""train_tpu.py: the reference PyTorch/XLA trainer, in one file you can read and copy.
+
+It trains the article's ToyModel CNN on MNIST (or on generated digits) on every TPU core, with
+the pieces every TPU training script needs: a DistributedSampler per replica, MpDeviceLoader,
+xm.optimizer_step, xm.save from the master, xmp.spawn, compile accounting, and an SPMD mode.
+
+Runbook (each command, then what you should see):
+
+  TPU VM, every core:
+    python train_tpu.py
+      -> "world 8 replicas | global batch 1,024 ...", log lines
+         "epoch 1 step 20/58 | loss 0.5123 | 61,000 samples/s (7,600 per replica)",
+         one "compiles |" line per epoch with "recompiles after warm-up 0",
+         and a final "done |" line. Exit code 0.
+
+  Laptop or CI, no TPU (torch_xla runs on the CPU):
+    PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1 --target-accuracy 90
+      -> accuracy above 90% after one epoch, exit 0. Below the target: exit 21.
+
+  SPMD (one process drives every device; on the CPU, 4 emulated devices):
+    python train_tpu.py --spmd --cores 4 --data synthetic --epochs 1
+      -> "spmd mesh 4 devices along 'data' | global batch 512", then the same log lines.
+
+  Resume (either checkpoint format, in either mode):
+    python train_tpu.py --resume runs/<run>/checkpoint.pt --epochs 5
+      -> "resumed ... at epoch 4", then a "resume check" line: the saved test loss and the one
+         measured after loading agree within the printed tolerance.
+
+  Turn an SPMD checkpoint into one ordinary torch.save file:
+    python train_tpu.py --resume runs/<run>/checkpoint-spmd --export model.pt --data synthetic
+
+  Dynamic layerdrop, the article's recompilation example, with the guard a user keeps:
+    python train_tpu.py --cores 1 --data synthetic --layerdrop dynamic --max-recompiles 0
+      -> exit 3: "recompiled N graphs after warm-up, more than --max-recompiles 0".
+    python train_tpu.py --cores 1 --data synthetic --layerdrop static --max-recompiles 0 --epochs 2
+      -> exit 0: the drop decision lives on the device, one graph serves every step.
+
+Exit codes: 0 done, 2 bad input, 3 too many recompiles, 4 a resumed checkpoint does not
+reproduce its saved test loss, 21 below --target-accuracy.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.distributed.xla_multiprocessing as xmp
+import torch_xla.runtime as xr
+
+# ---- configuration ---------------------------------------------------------------------------
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the training set's pixel statistics
+SYNTHETIC_TRAIN, SYNTHETIC_TEST = 12_800, 2_000  # generated digits per split
+SYNTHETIC_DATA_SEED = 1234  # fixed, so runs with different --seed see the same data
+LAYERDROP_REPEATS = 50  # the article's loop: one shared fc2 applied up to 50 times
+WARMUP_STEPS = 2  # steps per epoch left out of samples/s: step 1 and 2 compile their graphs
+
+EXIT_BAD_INPUT, EXIT_RECOMPILES, EXIT_RESUME_MISMATCH, EXIT_BELOW_TARGET = 2, 3, 4, 21
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+class TrainingFailed(Exception):
+    """The run finished or stopped but failed a check: one line, a non-zero exit code."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse prints the whole usage before its error; one line is easier to act on.
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser():
+    p = _Parser(prog="train_tpu.py", description="Train the article's ToyModel on TPU cores.")
+
+    hw = p.add_argument_group("devices")
+    hw.add_argument("--cores", type=int, default=None,
+                    help="devices to train on: 1, or all of them (the default)")
+    hw.add_argument("--spmd", action="store_true",
+                    help="one process drives every device; the batch is sharded by GSPMD")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--data", choices=("mnist", "synthetic"), default="mnist",
+                      help="torchvision MNIST, or generated digits made in memory")
+    data.add_argument("--data-dir", default="data",
+                      help="where MNIST lives (DIR/MNIST/raw/*-ubyte) or is downloaded to")
+    data.add_argument("--num-workers", type=int, default=0,
+                      help="DataLoader worker processes per replica")
+
+    train = p.add_argument_group("training")
+    train.add_argument("--epochs", type=int, default=3, help="epochs to train in total")
+    train.add_argument("--batch-size", type=int, default=128, help="samples per core per step")
+    train.add_argument("--lr", type=float, default=0.01,
+                       help="SGD learning rate, used as given (not scaled with the world size)")
+    train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="seeds the weights, the shuffling and the layerdrop coin flips")
+    train.add_argument("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
+                       help="exit 21 if the final test accuracy (0-100) is below this")
+
+    drop = p.add_argument_group("layerdrop and recompilation")
+    drop.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off",
+                      help="off: ToyModel; dynamic: the article's host coin flips (recompiles); "
+                           "static: the same drops decided on the device (one graph)")
+    drop.add_argument("--layerdrop-prob", type=float, default=0.5, metavar="P",
+                      help="probability that each of the 50 fc2 applications is dropped")
+    drop.add_argument("--max-recompiles", type=int, default=None, metavar="N",
+                      help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
+    drop.add_argument("--metrics-debug", action="store_true",
+                      help="print torch_xla's full metrics report after every epoch")
+
+    out = p.add_argument_group("logging and checkpoints")
+    out.add_argument("--log-steps", type=int, default=20, help="log every N steps")
+    out.add_argument("--out-dir", default=None,
+                     help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="start clean in an --out-dir that already holds a run (deletes it)")
+    out.add_argument("--resume", default=None, metavar="PATH",
+                     help="continue from a checkpoint: an xm.save file or an SPMD directory")
+    out.add_argument("--export", default=None, metavar="FILE",
+                     help="with --resume: write that checkpoint as one torch.save file, then exit")
+    return p
+
+
+def parse_args(argv=None):
+    """Parses and validates the flags. Raises UsageError with a message that says what to do."""
+    args = build_parser().parse_args(argv)
+
+    def positive(name, value):
+        if value < 1:
+            raise UsageError(f"--{name} {value}: must be at least 1")
+
+    positive("epochs", args.epochs)
+    positive("batch-size", args.batch_size)
+    positive("log-steps", args.log_steps)
+    if args.cores is not None:
+        positive("cores", args.cores)
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers {args.num_workers}: must be 0 or more")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UsageError(f"--lr {args.lr}: must be a positive number")
+    if not 0 <= args.momentum < 1:
+        raise UsageError(f"--momentum {args.momentum}: must be in [0, 1)")
+    if not 0 <= args.layerdrop_prob <= 1:
+        raise UsageError(f"--layerdrop-prob {args.layerdrop_prob}: must be in [0, 1]")
+    if not 0 <= args.target_accuracy <= 100:
+        raise UsageError(f"--target-accuracy {args.target_accuracy}: a percentage, 0 to 100")
+    if args.max_recompiles is not None and args.max_recompiles < 0:
+        raise UsageError(f"--max-recompiles {args.max_recompiles}: must be 0 or more")
+    if args.resume is not None and not os.path.exists(args.resume):
+        raise UsageError(f"--resume {args.resume}: no such file or directory")
+    if args.export is not None and args.resume is None:
+        raise UsageError("--export needs --resume PATH: the checkpoint to convert")
+    return args
+
+
+# ---- runtime helpers -------------------------------------------------------------------------
+
+
+def is_master():
+    """The one place that decides who prints and who writes: global ordinal 0."""
+    return xr.global_ordinal() == 0
+
+
+def print0(*args, **kwargs):
+    if is_master():
+        print(*args, **kwargs, flush=True)
+
+
+def select_runtime():
+    """Picks the PJRT device the way torch_xla would, without starting the runtime.
+
+    xmp.spawn refuses to run once the runtime is up in the parent, so nothing here may touch a
+    device. torch_xla chooses TPU when TPU chips are on the PCI bus, otherwise the CPU.
+    """
+    from torch_xla._internal import tpu  # documented as safe to call before xmp.spawn
+
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu.num_available_chips() > 0 else "CPU"
+    kind = os.environ["PJRT_DEVICE"]
+    if kind == "TPU":
+        return kind, tpu.num_available_devices()
+    if kind == "CPU":
+        return kind, int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    raise UsageError(f"PJRT_DEVICE={kind}: this script supports TPU and CPU")
+
+
+def check_cores(args, kind, available):
+    """Returns the number of devices to use, or says why --cores cannot be honoured."""
+    if args.spmd and kind == "CPU":
+        # SPMD on the CPU emulates as many devices as asked; the runtime reads this at start.
+        cores = args.cores or available
+        os.environ["CPU_NUM_DEVICES"] = str(cores)
+        return cores
+    cores = args.cores or available
+    if cores not in (1, available):
+        raise UsageError(
+            f"--cores {cores}: this machine has {available} {kind} device(s); use --cores 1, "
+            f"--cores {available}, or limit the devices with {kind}_NUM_DEVICES=N")
+    if cores > 1 and kind == "CPU" and not args.spmd:
+        # torch_xla runs the replicas of one CPU process as threads, and its collectives across
+        # them hang (pytorch/xla issues 5005 and 9089): the gradient all-reduce never returns.
+        raise UsageError(
+            f"--cores {cores} on the CPU: torch_xla's CPU collectives hang across replicas "
+            "(pytorch/xla#5005); use --cores 1, or --spmd --cores N to shard over N CPU devices")
+    return cores
+
+
+class CompileCounter:
+    """Compilations, read from torch_xla's metrics; warm-up ends after the run's first epoch."""
+
+    def __init__(self):
+        self.at_epoch_start = self.at_warmup_end = None
+
+    @staticmethod
+    def read():
+        data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples) or None
+        return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
+    def start_epoch(self):
+        self.at_epoch_start = self.read()[0]
+
+    def end_epoch(self, first_epoch):
+        total, seconds = self.read()
+        if first_epoch:
+            self.at_warmup_end = total
+        return dict(compiles_epoch=total - self.at_epoch_start, compiles_total=total,
+                    compile_seconds=round(seconds, 3),
+                    recompiles_after_warmup=total - self.at_warmup_end,
+                    cpu_fallback_ops=cpu_fallback_ops())
+
+
+def cpu_fallback_ops():
+    """Ops that ran on the CPU for want of an XLA lowering, by name and count.
+
+    torch_xla counts each as an `aten::NAME` counter. `aten::_local_scalar_dense` is `.item()`
+    itself (a deliberate read, not a model op): this script reads values with `.cpu()` instead,
+    so it appears only if the model calls `.item()`.
+    """
+    return {name: met.counter_value(name) for name in met.counter_names()
+            if name.startswith("aten::")}
+
+
+def format_compiles(c, first_epoch):
+    fallbacks = ", ".join(f"{k} x{v}" for k, v in c["cpu_fallback_ops"].items()) or "none"
+    warm = " (this epoch was the warm-up)" if first_epoch else ""
+    return (f"compiles | this epoch {c['compiles_epoch']} | total {c['compiles_total']} | "
+            f"{c['compile_seconds']:.1f} s compiling | recompiles after warm-up "
+            f"{c['recompiles_after_warmup']}{warm} | CPU fallback ops: {fallbacks}")
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+
+class Examples(Dataset):
+    """Equal-length tensors served as dict samples, so each field can get its own sharding."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __len__(self):
+        return len(next(iter(self.fields.values())))
+
+    def __getitem__(self, i):
+        return {name: t[i] for name, t in self.fields.items()}
+
+
+# Seven-segment strokes (row0, row1, col0, col1) in a 20 x 12 glyph, and each digit's strokes.
+SEGMENTS = dict(a=(0, 2, 1, 11), b=(1, 10, 10, 12), c=(10, 19, 10, 12), d=(18, 20, 1, 11),
+                e=(10, 19, 0, 2), f=(1, 10, 0, 2), g=(9, 11, 1, 11))
+DIGITS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
+
+
+def synthetic_digits(n, seed):
+    """Digit-like 28 x 28 images: seven-segment glyphs, shifted, dimmed and noised at random.
+
+    Deterministic for a given (n, seed). A linear read-out of fixed pixels cannot solve it (the
+    glyph moves by up to 4 pixels), so reaching high accuracy shows the model really learns.
+    """
+    g = torch.Generator().manual_seed(seed)
+    glyphs = torch.zeros(10, 20, 12)
+    for digit, strokes in enumerate(DIGITS):
+        for s in strokes:
+            r0, r1, c0, c1 = SEGMENTS[s]
+            glyphs[digit, r0:r1, c0:c1] = 1.0
+    labels = torch.randint(0, 10, (n,), generator=g)
+    shifts = torch.randint(-4, 5, (n, 2), generator=g)
+    brightness = 0.5 + 0.5 * torch.rand(n, generator=g)
+    images = torch.zeros(n, 28, 28)
+    for i in range(n):
+        top, left = 4 + shifts[i, 0].item(), 8 + shifts[i, 1].item()
+        images[i, top:top + 20, left:left + 12] = glyphs[labels[i]] * brightness[i]
+    images = (images + 0.3 * torch.randn(n, 28, 28, generator=g)).clamp(0, 1)
+    return normalise(images), labels
+
+
+def normalise(images):
+    """[0, 1] pixels of shape (N, 28, 28) -> the model's (N, 1, 28, 28) input."""
+    return ((images - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
+
+
+def prepare_data(args):
+    """Runs once in the parent before any spawn, so replicas never race to download MNIST."""
+    if args.data != "mnist":
+        return
+    import torchvision
+
+    for download in (False, True):
+        try:
+            # torchvision prints download attempts; on failure our one line says it all.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                for train in (True, False):
+                    torchvision.datasets.MNIST(args.data_dir, train=train, download=download)
+            return
+        except Exception:
+            continue
+    raise UsageError(
+        f"MNIST is not in --data-dir {args.data_dir} (expected {args.data_dir}/MNIST/raw/"
+        "*-ubyte) and could not be downloaded; copy it there, or use --data synthetic")
+
+
+def load_split(args, train):
+    """(images, labels) of one split, normalised, as in-memory tensors."""
+    if args.data == "synthetic":
+        n = SYNTHETIC_TRAIN if train else SYNTHETIC_TEST
+        return synthetic_digits(n, SYNTHETIC_DATA_SEED + (0 if train else 1))
+    import torchvision
+
+    # Reading the uint8 tensor once beats a PIL transform per sample, with the same result as
+    # ToTensor() + Normalize((0.1307,), (0.3081,)).
+    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
+    return normalise(mnist.data.float() / 255.0), mnist.targets
+
+
+def train_loader(images, labels, batch_size, world, rank, seed, num_workers):
+    """Each replica's shard of the training set, reshuffled every epoch (call set_epoch)."""
+    dataset = Examples(image=images, label=labels)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=seed, drop_last=True)
+    # drop_last: every step has one shape, so the last partial batch does not compile a graph.
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                        num_workers=num_workers)
+    return loader, sampler
+
+
+def eval_shard(images, labels, batch_size, world, rank):
+    """This replica's share of the test set: every sample counted exactly once across replicas.
+
+    DistributedSampler would repeat samples to even out the shards, and drop_last would skip
+    some. Instead each shard is padded to whole batches with samples marked valid=0, so each
+    batch has one shape (one compiled graph) and the padding counts for nothing.
+    """
+    per_rank = math.ceil(len(labels) / world)
+    padded = math.ceil(per_rank / batch_size) * batch_size
+    index = torch.arange(rank, len(labels), world)
+    valid = torch.zeros(padded)
+    valid[:len(index)] = 1.0
+    index = torch.cat([index, torch.zeros(padded - len(index), dtype=torch.long)])
+    return Examples(image=images[index], label=labels[index], valid=valid)
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+
+class ToyModel(nn.Module):
+    """The article's ToyModel, and with layerdrop its second, dynamic version.
+
+    The article ends both with nn.Softmax; this returns logits instead, because
+    F.cross_entropy applies log-softmax itself, and a softmax before it would apply softmax
+    twice: the loss flattens and learning slows.
+    """
+
+    def __init__(self, layerdrop="off", layerdrop_prob=0.5):
+        super().__init__()
+        self.layerdrop, self.layerdrop_prob = layerdrop, layerdrop_prob
+        self.conv1 = nn.Conv2d(1, 10, 5)
+        self.mp1 = nn.MaxPool2d(2)
+        if layerdrop == "off":
+            self.fc1 = nn.Linear(1440, 10)
+        else:
+            self.fc1 = nn.Linear(1440, 20)
+            self.fc2 = nn.Linear(20, 20)  # shared: applied up to LAYERDROP_REPEATS times
+            self.fc3 = nn.Linear(20, 10)
+
+    def forward(self, x, keep=None):
+        """keep: which fc2 applications run this step (None: all, as at evaluation).
+
+        dynamic: a Python list of bools. Each False skips an op while tracing, so the graph
+        changes with the number kept and XLA compiles a new one (up to 51).
+        static: a bool tensor on the device. Every application is traced and torch.where picks
+        fc2(x) or x, so one graph serves every step, at the price of computing fc2 each time.
+        """
+        x = F.relu(self.conv1(x))
+        x = torch.flatten(self.mp1(x), 1)
+        x = self.fc1(x)
+        if self.layerdrop == "off":
+            return x
+        for i in range(LAYERDROP_REPEATS):
+            if keep is None:
+                x = self.fc2(x)
+            elif self.layerdrop == "dynamic":
+                if keep[i]:
+                    x = self.fc2(x)
+            else:
+                x = torch.where(keep[i], self.fc2(x), x)
+        return self.fc3(x)
+
+
+def variant(layerdrop):
+    """Checkpoints move between dynamic and static (same parameters), never to or from off."""
+    return "toy" if layerdrop == "off" else "toy-layerdrop"
+
+
+def drop_pattern(seed, epoch, step, prob):
+    """The keep decisions of one step: a pure function of (seed, epoch, step).
+
+    In data-parallel training every replica must drop the same applications. A replica that
+    skipped fc2 entirely would have no fc2 gradient, its all-reduce would carry a different
+    list of tensors than the others', and the collective hangs or mixes up gradients. Seeding
+    from (seed, epoch, step), never from the replica, keeps all replicas on one graph.
+    """
+    key = hashlib.sha256(f"{seed}/{epoch}/{step}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
+    return (torch.rand(LAYERDROP_REPEATS, generator=g) >= prob).tolist()  # P=0 keeps all
+
+
+def layerdrop_keep(model, args, epoch, step, device):
+    """The `keep` argument for this step's forward, on the host or on the device."""
+    if model.layerdrop == "off":
+        return None
+    keep = drop_pattern(args.seed, epoch, step, model.layerdrop_prob)
+    if model.layerdrop == "dynamic":
+        return keep
+    # A host-to-device copy of 50 bools: new data each step, the same graph.
+    return torch.tensor(keep, device=device)
+
+
+# ---- step ------------------------------------------------------------------------------------
+
+
+def train_step(model, optimizer, images, labels, keep, spmd):
+    """One step, traced lazily; MpDeviceLoader's next batch cuts and runs the graph."""
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(images, keep), labels)
+    loss.backward()
+    if spmd:
+        # One program over all devices: GSPMD inserts the gradient all-reduce itself.
+        optimizer.step()
+    else:
+        # All-reduce (average) the gradients across replicas, then step.
+        xm.optimizer_step(optimizer)
+    return loss
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+
+
+def evaluate(model, batches, reduce_across_replicas=None):
+    """Test loss and accuracy over every sample counted once, summed on the device.
+
+    `batches` yields dicts with image, label and valid (see eval_shard) already on the model's
+    device. Returns (mean loss, accuracy in percent, samples counted).
+    """
+    model.eval()
+    totals = None
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(batch["image"])
+            loss = F.cross_entropy(logits, batch["label"], reduction="none")
+            correct = (logits.argmax(dim=1) == batch["label"]).float()
+            sums = torch.stack([(loss * batch["valid"]).sum(), (correct * batch["valid"]).sum(),
+                                batch["valid"].sum()])
+            totals = sums if totals is None else totals + sums
+    model.train()
+    if reduce_across_replicas is not None:
+        totals = reduce_across_replicas(totals)
+    # Deliberate host sync, once per evaluation: the figures are needed on the host.
+    loss_sum, correct, count = totals.cpu().double().tolist()
+    return loss_sum / count, 100.0 * correct / count, int(count)
+
+
+def evaluate_on_cpu(model_state, args, layerdrop):
+    """The same evaluation in eager PyTorch on the host: the reference for resume checks."""
+    model = ToyModel(layerdrop, args.layerdrop_prob)
+    model.load_state_dict(model_state)
+    images, labels = load_split(args, train=False)
+    loader = DataLoader(eval_shard(images, labels, 500, 1, 0), batch_size=500)
+    return evaluate(model, loader)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+#
+# A checkpoint is one dict: model, optimizer, the next epoch to run, the configuration, and the
+# test loss and accuracy measured on the device right before saving. That last figure is how a
+# resumed or converted checkpoint proves it still computes the same thing.
+#
+# Multi-core: xm.save from every replica (it moves tensors to the host), the master writes
+#   OUT/checkpoint.pt via a temporary file and an atomic rename, so a kill mid-write never
+#   leaves a torn file in place of the last good one.
+# SPMD: torch.distributed.checkpoint with torch_xla's SPMD planners, into
+#   OUT/checkpoint-spmd/epoch-NNNN/, written under a temporary name and renamed once complete.
+#   https://docs.pytorch.org/xla/release/r2.8/perf/spmd_distributed_checkpoint.html
+# The formats differ (pytorch/xla#6660 thread in ../shared/seeds/004_*): --resume detects which
+# one it is given and says so.
+
+
+def checkpoint_dict(model, optimizer, next_epoch, args, test_loss, accuracy):
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "export", "overwrite")}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "epoch": next_epoch, "variant": variant(args.layerdrop), "config": config,
+            "test_loss": test_loss, "accuracy": accuracy}
+
+
+def save_checkpoint(ckpt, out_dir, spmd, world):
+    if spmd:
+        return save_spmd_checkpoint(ckpt, out_dir)
+    path = os.path.join(out_dir, "checkpoint.pt")
+    tmp = path + ".tmp"
+    xm.save(ckpt, tmp)  # every replica calls it; only the master writes
+    if is_master():
+        os.replace(tmp, path)
+    if world > 1:
+        xm.rendezvous("checkpoint saved")  # no replica runs ahead of a half-written save
+    return path
+
+
+def save_spmd_checkpoint(ckpt, out_dir):
+    import torch.distributed.checkpoint as dcp
+    import torch_xla.experimental.distributed_checkpoint as xc
+
+    root = os.path.join(out_dir, "checkpoint-spmd")
+    final = os.path.join(root, f"epoch-{ckpt['epoch'] - 1:04d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with _quiet_dcp_warnings():
+        dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(tmp), planner=xc.SPMDSavePlanner())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in os.listdir(root):  # keep the newest complete checkpoint only
+        if old.startswith("epoch-") and not old.endswith(".tmp") and old < os.path.basename(final):
+            shutil.rmtree(os.path.join(root, old))
+    return final
+
+
+@contextlib.contextmanager
+def _quiet_dcp_warnings():
+    # Without torch.distributed initialised, DCP warns that it saves from one process: that
+    # is exactly the SPMD case (one process drives every device), so the warning is noise.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def find_checkpoint(path):
+    """('xm.save', file) or ('spmd', directory) for whatever --resume points at."""
+    if os.path.isfile(path):
+        return "xm.save", path
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return "spmd", path
+    epochs = sorted(d for d in os.listdir(path) if d.startswith("epoch-") and not d.endswith(".tmp")
+                    and os.path.isfile(os.path.join(path, d, ".metadata")))
+    if epochs:
+        return "spmd", os.path.join(path, epochs[-1])
+    for name in ("checkpoint.pt", "checkpoint-spmd"):  # a run directory
+        if os.path.exists(os.path.join(path, name)):
+            return find_checkpoint(os.path.join(path, name))
+    raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
+                     "nor an SPMD directory with a .metadata file)")
+
+
+def load_file_checkpoint(path):
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}); it may be truncated or damaged")
+    if not isinstance(ckpt, dict) or not {"model", "optimizer", "epoch"} <= ckpt.keys():
+        raise UsageError(f"--resume {path}: not a train_tpu.py checkpoint (needs model, "
+                         "optimizer and epoch)")
+    return ckpt
+
+
+def spmd_to_file(directory):
+    """An SPMD checkpoint directory, read on the host as the same dict torch.load would give."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tmp = os.path.join(directory, "..", f".export-{os.getpid()}.pt")
+    try:
+        with _quiet_dcp_warnings():
+            dcp.FileSystemReader(directory).read_metadata()
+            dcp_to_torch_save(directory, tmp)
+        ckpt = load_file_checkpoint(tmp)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"--resume {directory}: cannot read the SPMD checkpoint "
+                         f"({type(e).__name__}); it may be incomplete or damaged")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    # DCP stores the optimizer's per-parameter state under string keys ("0", "1", ...);
+    # optimizer.load_state_dict matches integer ids and would silently drop the momentum.
+    ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
+    return ckpt
+
+
+def check_variant(ckpt, args, where):
+    have, want = ckpt.get("variant", "toy"), variant(args.layerdrop)
+    if have != want:
+        flag = "--layerdrop off" if have == "toy" else "--layerdrop dynamic or static"
+        raise UsageError(f"--resume {where}: the checkpoint is for model variant {have!r}, this "
+                         f"run builds {want!r}; resume it with {flag}")
+
+
+def load_checkpoint_into(model, optimizer, path, args, spmd):
+    """Loads --resume into the model and optimizer (already on the device). Returns the dict."""
+    kind, where = find_checkpoint(path)
+    if kind == "spmd" and spmd:
+        ckpt = load_spmd_in_place(model, optimizer, where, args)
+        print0(f"resume | SPMD checkpoint {where}: loaded shard by shard")
+    else:
+        ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
+        check_variant(ckpt, args, where)
+        model.load_state_dict(ckpt["model"])  # copies onto the device, keeping placement
+        optimizer.load_state_dict(ckpt["optimizer"])  # moves the momentum to the params' device
+        how = ("placed on the devices and replicated; later saves use the SPMD format"
+               if spmd else "loaded on every replica")
+        print0(f"resume | {kind} checkpoint {where}: {how}")
+    return ckpt
+
+
+def load_spmd_in_place(model, optimizer, directory, args):
+    import torch.distributed.checkpoint as dcp
+    import torch_xla.experimental.distributed_checkpoint as xc
+
+    try:
+        with _quiet_dcp_warnings():
+            names = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise UsageError(f"--resume {directory}: cannot read the SPMD checkpoint metadata "
+                         f"({type(e).__name__}); it may be incomplete or damaged")
+    have = "toy-layerdrop" if "model.fc2.weight" in names else "toy"
+    check_variant({"variant": have}, args, directory)
+    # DCP loads into tensors that already exist. A fresh SGD has no momentum buffers yet, so
+    # make zero ones instead of taking a dummy optimizer step (a dummy step moves the weights).
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    ckpt = checkpoint_dict(model, optimizer, 0, args, 0.0, 0.0)
+    try:
+        with _quiet_dcp_warnings():
+            dcp.load(ckpt, storage_reader=dcp.FileSystemReader(directory),
+                     planner=xc.SPMDLoadPlanner())
+    except Exception as e:
+        raise UsageError(f"--resume {directory}: cannot load the SPMD checkpoint "
+                         f"({type(e).__name__}); it may be incomplete or damaged")
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    return ckpt
+
+
+def resume_tolerance(device_kind):
+    # On the CPU both evaluations run in float32 and agree to rounding. TPU matmuls default
+    # to bfloat16 passes, so a figure saved on a TPU can differ from a reload more than that.
+    return 1e-5 if device_kind == "CPU" else 2e-2
+
+
+def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
+    """The proof a conversion kept the model: the saved test loss, reproduced."""
+    saved = ckpt.get("config", {})
+    if "test_loss" not in ckpt or (saved.get("data"), saved.get("data_dir")) != (args.data, args.data_dir):
+        print0(f"{label} | skipped: the checkpoint was evaluated on other data")
+        return
+    tol = resume_tolerance(device_kind)
+    diff = abs(loss - ckpt["test_loss"])
+    verdict = "equal" if diff <= tol else "DIFFERENT"
+    print0(f"{label} | test loss saved {ckpt['test_loss']:.7f} vs now {loss:.7f} | "
+           f"|diff| {diff:.1e} (tolerance {tol:.0e}) | accuracy saved {ckpt['accuracy']:.2f}% "
+           f"vs now {accuracy:.2f}% | {verdict}")
+    if diff > tol:
+        raise TrainingFailed(f"{label}: the loaded checkpoint gives test loss {loss:.7f}, it "
+                             f"was saved at {ckpt['test_loss']:.7f}", EXIT_RESUME_MISMATCH)
+
+
+def export_checkpoint(args, device_kind):
+    """--resume X --export FILE: one ordinary torch.save file, proven to compute the same."""
+    kind, where = find_checkpoint(args.resume)
+    ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
+    args.layerdrop = "off" if ckpt.get("variant", "toy") == "toy" else "static"
+    tmp = args.export + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, args.export)
+    print(f"export | {kind} checkpoint {where} -> {args.export} (torch.save; torch.load reads it)")
+    again = load_file_checkpoint(args.export)
+    loss, accuracy, _ = evaluate_on_cpu(again["model"], args, args.layerdrop)
+    compare_with_saved(ckpt, loss, accuracy, args, device_kind, "export check")
