@@ -68,7 +68,7 @@ import torch_xla.runtime as xr
 # ---- configuration ---------------------------------------------------------------------------
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the training set's pixel statistics
-SYNTHETIC_TRAIN, SYNTHETIC_TEST = 12_800, 2_000  # generated digits per split
+SYNTHETIC_TRAIN, SYNTHETIC_TEST = 30_000, 5_000  # generated digits per split
 SYNTHETIC_DATA_SEED = 1234  # fixed, so runs with different --seed see the same data
 LAYERDROP_REPEATS = 50  # the article's loop: one shared fc2 applied up to 50 times
 WARMUP_STEPS = 2  # steps per epoch left out of samples/s: step 1 and 2 compile their graphs
@@ -84,8 +84,11 @@ class TrainingFailed(Exception):
     """The run finished or stopped but failed a check: one line, a non-zero exit code."""
 
     def __init__(self, message, code):
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)  # both in args, so it survives pickling out of spawn
+        self.message, self.code = message, code
+
+    def __str__(self):
+        return self.message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,7 +117,7 @@ def build_parser():
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=3, help="epochs to train in total")
     train.add_argument("--batch-size", type=int, default=128, help="samples per core per step")
-    train.add_argument("--lr", type=float, default=0.01,
+    train.add_argument("--lr", type=float, default=0.05,
                        help="SGD learning rate, used as given (not scaled with the world size)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     train.add_argument("--seed", type=int, default=0,
@@ -314,7 +317,7 @@ def synthetic_digits(n, seed):
     for i in range(n):
         top, left = 4 + shifts[i, 0].item(), 8 + shifts[i, 1].item()
         images[i, top:top + 20, left:left + 12] = glyphs[labels[i]] * brightness[i]
-    images = (images + 0.3 * torch.randn(n, 28, 28, generator=g)).clamp(0, 1)
+    images = (images + 0.2 * torch.randn(n, 28, 28, generator=g)).clamp(0, 1)
     return normalise(images), labels
 
 
@@ -721,3 +724,361 @@ def export_checkpoint(args, device_kind):
     again = load_file_checkpoint(args.export)
     loss, accuracy, _ = evaluate_on_cpu(again["model"], args, args.layerdrop)
     compare_with_saved(ckpt, loss, accuracy, args, device_kind, "export check")
+
+
+# ---- logging and run artifacts (master only) -------------------------------------------------
+
+
+class RunLog:
+    """metrics.jsonl in --out-dir: one line per logged step and one per epoch, master only."""
+
+    def __init__(self, out_dir, start_epoch):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if is_master() and os.path.exists(self.path):
+            # A resumed run continues the history from its checkpoint's epoch: lines of epochs
+            # that were cut short by the interruption are dropped, not repeated.
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["epoch"] < start_epoch]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+
+    def write(self, **record):
+        if is_master():
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class EpochMeter:
+    """Step closures of one epoch: read the losses, time the steps, log, draw the bar.
+
+    Losses are read in batches of --log-steps inside xm.add_step_closure, which runs after the
+    step's graph has been launched: the hot loop itself never waits for the device.
+    """
+
+    def __init__(self, epoch, steps, global_batch, world, log, progress):
+        self.epoch, self.steps, self.global_batch, self.world = epoch, steps, global_batch, world
+        self.log, self.progress = log, progress
+        self.times = {}  # step -> when its loss reached the host
+        self.last_loss = float("nan")
+
+    def fetch(self, step, losses):
+        # Deliberate sync: .cpu() waits until the step has run. One per --log-steps steps.
+        values = [float(t.detach().cpu()) for t in losses]
+        now = time.perf_counter()
+        self.times[step] = now
+        self.last_loss = values[-1]
+        rate = None
+        if step > WARMUP_STEPS:
+            since = max(s for s in self.times if s < step)
+            rate = (step - since) * self.global_batch / (now - self.times[since])
+        self.log.write(kind="log", epoch=self.epoch, step=step, loss=values[-1], losses=values,
+                       samples_per_s=rate)
+        speed = "warm-up" if rate is None else (
+            f"{rate:,.0f} samples/s ({rate / self.world:,.0f} per replica)")
+        line = f"epoch {self.epoch} step {step}/{self.steps} | loss {values[-1]:.4f} | {speed}"
+        if self.progress:
+            self.progress.show(step, self.steps, line)
+        else:
+            print0(line)
+
+    def samples_per_s(self):
+        """Throughput of the epoch, its first WARMUP_STEPS steps (and their compiles) left out."""
+        if self.steps <= WARMUP_STEPS:
+            return None
+        elapsed = self.times[self.steps] - self.times[WARMUP_STEPS]
+        return (self.steps - WARMUP_STEPS) * self.global_batch / elapsed
+
+
+class ProgressBar:
+    """One redrawn line on the master, only when stdout is a terminal; plain lines otherwise."""
+
+    @staticmethod
+    def create():
+        return ProgressBar() if is_master() and sys.stdout.isatty() else None
+
+    def show(self, step, steps, text):
+        filled = int(20 * step / steps)
+        sys.stdout.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] {text}\033[K")
+        sys.stdout.flush()
+
+    def close(self):
+        sys.stdout.write("\n")
+
+
+def write_plot(out_dir):
+    """Training loss per step and test accuracy per epoch, as OUT/metrics.png (master only).
+
+    Figures drawn in spawned replicas never reach a screen, so the master writes a file.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a TPU VM
+    import matplotlib.pyplot as plt
+
+    history, epochs = read_history(out_dir)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(range(1, len(history) + 1), [h["loss"] for h in history])
+    ax1.set(title="training loss (master replica)", xlabel="step", ylabel="loss")
+    ax2.plot([e["epoch"] for e in epochs], [e["accuracy"] for e in epochs], marker="o")
+    ax2.set(title="test accuracy", xlabel="epoch", ylabel="%")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "metrics.png")
+    fig.savefig(path + ".tmp.png")
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+def read_history(out_dir):
+    """(per-step records, per-epoch records) from OUT/metrics.jsonl."""
+    steps, epochs = [], []
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["kind"] == "log":
+                first = r["step"] - len(r["losses"]) + 1
+                steps += [dict(epoch=r["epoch"], step=first + i, loss=v)
+                          for i, v in enumerate(r["losses"])]
+            else:
+                epochs.append(r)
+    return steps, epochs
+
+
+# ---- the per-replica training function -------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Topology:
+    """Who this process is in the run, as the data pipeline and the logs need it."""
+    device: torch.device
+    world: int  # data-parallel replicas that each load their own shard (1 under SPMD)
+    rank: int
+    devices: int  # devices that share one global batch
+    mesh: object = None  # the SPMD mesh, None in multi-core mode
+
+    @property
+    def spmd(self):
+        return self.mesh is not None
+
+    def loader(self, loader):
+        """MpDeviceLoader: overlaps the host-to-device copy with the step, and cuts the graph."""
+        if not self.spmd:
+            return pl.MpDeviceLoader(loader, self.device)
+        import torch_xla.distributed.spmd as xs
+
+        # Under SPMD the loader shards each batch as it copies it: the batch dimension is split
+        # over the mesh's "data" axis, one slice per device.
+        spec = {"image": xs.ShardingSpec(self.mesh, ("data", None, None, None)),
+                "label": xs.ShardingSpec(self.mesh, ("data",)),
+                "valid": xs.ShardingSpec(self.mesh, ("data",))}
+        return pl.MpDeviceLoader(loader, self.device, input_sharding=spec)
+
+    def reduce(self, totals):
+        if self.spmd:
+            return totals  # one program over the global batch: the sums are global already
+        return xm.all_reduce(xm.REDUCE_SUM, totals)
+
+
+def run_training(args, device_kind, mesh=None):
+    """Everything one replica does; the SPMD path runs it once, over the whole mesh."""
+    if mesh is None:
+        topo = Topology(torch_xla.device(), xr.world_size(), xr.global_ordinal(), xr.world_size())
+    else:
+        topo = Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
+    per_load = args.batch_size * (topo.devices if topo.spmd else 1)
+    global_batch = args.batch_size * topo.devices
+
+    torch.manual_seed(args.seed)  # the same initial weights on every replica
+    model = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+
+    start_epoch, ckpt = 1, None
+    if args.resume:
+        ckpt = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
+        start_epoch = ckpt["epoch"]
+
+    images, labels = load_split(args, train=True)
+    loader, sampler = train_loader(images, labels, per_load, topo.world, topo.rank, args.seed,
+                                   args.num_workers)
+    test = DataLoader(eval_shard(*load_split(args, train=False), per_load, topo.world, topo.rank),
+                      batch_size=per_load)
+    if len(loader) == 0:
+        raise UsageError(f"--batch-size {args.batch_size}: a global batch of {global_batch} is "
+                         f"larger than the {len(images)} training samples")
+
+    print0(f"{device_kind} | {'spmd mesh' if topo.spmd else 'world'} {topo.devices} "
+           f"{'devices' if topo.spmd else 'replicas'} | global batch {global_batch:,} "
+           f"({args.batch_size} per core) | {len(loader)} steps per epoch | lr {args.lr} "
+           f"(as given, not scaled) | model {variant(args.layerdrop)}, layerdrop {args.layerdrop}"
+           f" | out {args.out_dir}")
+
+    log = RunLog(args.out_dir, start_epoch)
+    if ckpt is not None:
+        loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
+        compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
+        print0(f"resume | continuing at epoch {start_epoch} of {args.epochs}")
+
+    counter = CompileCounter()
+    accuracy = ckpt.get("accuracy") if ckpt else None
+    for epoch in range(start_epoch, args.epochs + 1):
+        first = epoch == start_epoch
+        counter.start_epoch()
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
+        meter = EpochMeter(epoch, len(loader), global_batch, topo.devices, log,
+                           ProgressBar.create())
+        started = time.perf_counter()
+
+        # TRAINING: nothing below waits for the device until the step closures run.
+        pending = []
+        for step, batch in enumerate(topo.loader(loader), 1):
+            keep = layerdrop_keep(model, args, epoch, step, topo.device)
+            pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
+                                      topo.spmd))
+            if step % args.log_steps == 0 or step in (WARMUP_STEPS, len(loader)):
+                xm.add_step_closure(meter.fetch, args=(step, pending))
+                pending = []
+        if meter.progress:
+            meter.progress.close()
+
+        test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
+        path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
+                                               accuracy), args.out_dir, topo.spmd, topo.world)
+        compiles = counter.end_epoch(first)
+        rate = meter.samples_per_s()
+        log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
+                  samples_per_s=rate, seconds=time.perf_counter() - started, **compiles)
+        speed = f"{rate:,.0f} samples/s" if rate else "too few steps to time"
+        print0(f"epoch {epoch} done | test loss {test_loss:.4f} | accuracy {accuracy:.2f}% "
+               f"({counted:,} samples) | {speed} | checkpoint {path}")
+        print0(f"epoch {epoch} {format_compiles(compiles, first)}")
+        if args.metrics_debug:
+            print0(met.metrics_report())
+        if is_master():
+            write_plot(args.out_dir)
+        if (args.max_recompiles is not None
+                and compiles["recompiles_after_warmup"] > args.max_recompiles):
+            raise TrainingFailed(
+                f"recompiled {compiles['recompiles_after_warmup']} graphs after warm-up, more "
+                f"than --max-recompiles {args.max_recompiles}: the graph changes from step to "
+                "step (see --metrics-debug)", EXIT_RECOMPILES)
+
+    total, seconds = CompileCounter.read()
+    print0(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}% | compiled {total} "
+           f"graphs in {seconds:.1f} s | out {args.out_dir}")
+    if accuracy is not None and accuracy < args.target_accuracy:
+        raise TrainingFailed(f"test accuracy {accuracy:.2f}% is below --target-accuracy "
+                             f"{args.target_accuracy}", EXIT_BELOW_TARGET)
+
+
+def _mp_fn(index, args, device_kind):
+    """xmp.spawn's entry: called once per replica with its index."""
+    run_training(args, device_kind)
+
+
+# ---- the SPMD path ---------------------------------------------------------------------------
+
+
+def run_spmd(args, device_kind):
+    """One process, every device: the same training function, over a 1-D "data" mesh."""
+    import torch_xla.distributed.spmd as xs
+
+    # Before the runtime starts: from here on every tensor is one global, shardable tensor.
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+    run_training(args, device_kind, mesh)
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    """What the parent gets back: the trained model and what the master recorded."""
+    model: nn.Module  # on the host, with the final checkpoint's weights
+    history: list  # one dict per training step: epoch, step, loss (master replica)
+    epochs: list  # one dict per epoch: test loss, accuracy, samples/s, compile figures
+    out_dir: str
+
+
+def prepare_out_dir(args):
+    """Resolves --out-dir; a fresh run never mixes its history with an earlier run's."""
+    if args.out_dir is None and args.resume:
+        kind, where = find_checkpoint(args.resume)
+        up = 1 if kind == "xm.save" else 2  # checkpoint.pt, or checkpoint-spmd/epoch-NNNN
+        args.out_dir = os.path.abspath(os.path.join(where, *[".."] * up))
+    elif args.out_dir is None:
+        args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    earlier = [n for n in ("metrics.jsonl", "checkpoint.pt", "checkpoint-spmd")
+               if os.path.exists(os.path.join(args.out_dir, n))]
+    if earlier and not args.resume:
+        if not args.overwrite:
+            raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
+                             "; continue it with --resume, pick another --out-dir, or pass "
+                             "--overwrite to delete it and start clean")
+        for name in earlier + ["metrics.png"]:
+            target = os.path.join(args.out_dir, name)
+            shutil.rmtree(target) if os.path.isdir(target) else (
+                os.path.exists(target) and os.remove(target))
+        print(f"out | --overwrite: deleted the earlier run in {args.out_dir}, starting clean")
+    os.makedirs(args.out_dir, exist_ok=True)
+
+
+def run(argv=None):
+    """Parses argv, trains, and returns a Result. Raises UsageError or TrainingFailed."""
+    args = parse_args(argv)
+    device_kind, available = select_runtime()
+    if args.export:
+        export_checkpoint(args, device_kind)
+        return None
+    cores = check_cores(args, device_kind, available)
+    prepare_data(args)
+    prepare_out_dir(args)
+    if args.spmd:
+        run_spmd(args, device_kind)
+    else:
+        # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
+        # its chip's cores. https://docs.pytorch.org/xla/release/r2.8/learn/pjrt.html
+        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
+    return collect_result(args)
+
+
+def collect_result(args):
+    """Reads back what the master wrote: the replicas' own objects ended with them."""
+    kind, where = find_checkpoint(args.out_dir)
+    ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
+    model = ToyModel(args.layerdrop, args.layerdrop_prob)
+    model.load_state_dict(ckpt["model"])
+    history, epochs = read_history(args.out_dir)
+    return Result(model, history, epochs, args.out_dir)
+
+
+def fit(**flags):
+    """Python entry with the command line's flags as keywords: fit(cores=1, data="synthetic").
+
+    Runs to the end and returns a Result; raises UsageError or TrainingFailed like main() exits.
+    """
+    argv = []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (False, None):
+            argv += [flag, str(value)]
+    return run(argv)
+
+
+def main(argv=None):
+    try:
+        run(argv)
+    except UsageError as e:
+        print(f"train_tpu.py: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingFailed as e:
+        print(f"train_tpu.py: failed: {e}", file=sys.stderr)
+        return e.code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
