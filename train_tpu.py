@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -120,6 +121,8 @@ def build_parser():
     train.add_argument("--lr", type=float, default=0.05,
                        help="SGD learning rate, used as given (not scaled with the world size)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
+    train.add_argument("--steps-per-epoch", type=int, default=None, metavar="N",
+                       help="stop each epoch after N steps (quick runs; default: the whole set)")
     train.add_argument("--seed", type=int, default=0,
                        help="seeds the weights, the shuffling and the layerdrop coin flips")
     train.add_argument("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
@@ -146,6 +149,9 @@ def build_parser():
                      help="continue from a checkpoint: an xm.save file or an SPMD directory")
     out.add_argument("--export", default=None, metavar="FILE",
                      help="with --resume: write that checkpoint as one torch.save file, then exit")
+    out.add_argument("--benchmark", choices=("layerdrop",), default=None,
+                     help="layerdrop: time --steps-per-epoch steps (default 40) of dynamic "
+                          "and static layerdrop on one device, then exit")
     return p
 
 
@@ -160,6 +166,8 @@ def parse_args(argv=None):
     positive("epochs", args.epochs)
     positive("batch-size", args.batch_size)
     positive("log-steps", args.log_steps)
+    if args.steps_per_epoch is not None:
+        positive("steps-per-epoch", args.steps_per_epoch)
     if args.cores is not None:
         positive("cores", args.cores)
     if args.num_workers < 0:
@@ -359,11 +367,29 @@ def load_split(args, train):
     return normalise(mnist.data.float() / 255.0), mnist.targets
 
 
-def train_loader(images, labels, batch_size, world, rank, seed, num_workers):
+class FirstBatches(torch.utils.data.Sampler):
+    """The first `limit` samples of each epoch's shuffle (--steps-per-epoch)."""
+
+    def __init__(self, sampler, limit):
+        self.sampler, self.limit = sampler, limit
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.limit)
+
+    def __len__(self):
+        return min(self.limit, len(self.sampler))
+
+    def set_epoch(self, epoch):
+        self.sampler.set_epoch(epoch)
+
+
+def train_loader(images, labels, batch_size, world, rank, seed, num_workers, max_steps=None):
     """Each replica's shard of the training set, reshuffled every epoch (call set_epoch)."""
     dataset = Examples(image=images, label=labels)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)
+    if max_steps:
+        sampler = FirstBatches(sampler, max_steps * batch_size)
     # drop_last: every step has one shape, so the last partial batch does not compile a graph.
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                         num_workers=num_workers)
@@ -597,9 +623,45 @@ def find_checkpoint(path):
                      "nor an SPMD directory with a .metadata file)")
 
 
-def load_file_checkpoint(path):
+def inspect_checkpoint(path, args):
+    """Checks --resume in the parent, before any device starts: fail fast, with one line.
+
+    Returns (kind, where). A file is opened lazily (mmap) so a large one is not read twice; an
+    SPMD directory is checked against its own metadata: every shard file it names must exist
+    and be long enough, so an interrupted copy is caught here and not halfway through loading.
+    """
+    kind, where = find_checkpoint(path)
+    if kind == "xm.save":
+        ckpt = load_file_checkpoint(where, mmap=True)
+        check_variant(ckpt, args, where)
+        return kind, where
+    metadata = read_spmd_metadata(where)
+    sizes = {}
+    for info in metadata.storage_data.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for name, needed in sizes.items():
+        file = os.path.join(where, name)
+        if not os.path.isfile(file) or os.path.getsize(file) < needed:
+            raise UsageError(f"--resume {where}: shard file {name} is missing or truncated; the "
+                             "checkpoint is incomplete")
+    have = "toy-layerdrop" if "model.fc2.weight" in metadata.state_dict_metadata else "toy"
+    check_variant({"variant": have}, args, where)
+    return kind, where
+
+
+def read_spmd_metadata(directory):
+    import torch.distributed.checkpoint as dcp
+
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:
+        raise UsageError(f"--resume {directory}: cannot read the SPMD checkpoint metadata "
+                         f"({type(e).__name__}); it may be incomplete or damaged")
+
+
+def load_file_checkpoint(path, mmap=False):
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         raise UsageError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120]}); it may be truncated or damaged")
@@ -611,13 +673,12 @@ def load_file_checkpoint(path):
 
 def spmd_to_file(directory):
     """An SPMD checkpoint directory, read on the host as the same dict torch.load would give."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     tmp = os.path.join(directory, "..", f".export-{os.getpid()}.pt")
+    read_spmd_metadata(directory)
     try:
         with _quiet_dcp_warnings():
-            dcp.FileSystemReader(directory).read_metadata()
             dcp_to_torch_save(directory, tmp)
         ckpt = load_file_checkpoint(tmp)
     except UsageError:
@@ -643,11 +704,15 @@ def check_variant(ckpt, args, where):
 
 
 def load_checkpoint_into(model, optimizer, path, args, spmd):
-    """Loads --resume into the model and optimizer (already on the device). Returns the dict."""
+    """Loads --resume into the model and optimizer (already on the device).
+
+    Returns (checkpoint dict, converted): converted is True when the file's format is not this
+    mode's own (an xm.save file under --spmd, or an SPMD directory in multi-core mode).
+    """
     kind, where = find_checkpoint(path)
     if kind == "spmd" and spmd:
         ckpt = load_spmd_in_place(model, optimizer, where, args)
-        print0(f"resume | SPMD checkpoint {where}: loaded shard by shard")
+        print0(f"resume | spmd checkpoint {where}: loaded shard by shard")
     else:
         ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
         check_variant(ckpt, args, where)
@@ -656,21 +721,13 @@ def load_checkpoint_into(model, optimizer, path, args, spmd):
         how = ("placed on the devices and replicated; later saves use the SPMD format"
                if spmd else "loaded on every replica")
         print0(f"resume | {kind} checkpoint {where}: {how}")
-    return ckpt
+    return ckpt, (kind == "spmd") != spmd
 
 
 def load_spmd_in_place(model, optimizer, directory, args):
     import torch.distributed.checkpoint as dcp
     import torch_xla.experimental.distributed_checkpoint as xc
 
-    try:
-        with _quiet_dcp_warnings():
-            names = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise UsageError(f"--resume {directory}: cannot read the SPMD checkpoint metadata "
-                         f"({type(e).__name__}); it may be incomplete or damaged")
-    have = "toy-layerdrop" if "model.fc2.weight" in names else "toy"
-    check_variant({"variant": have}, args, directory)
     # DCP loads into tensors that already exist. A fresh SGD has no momentum buffers yet, so
     # make zero ones instead of taking a dummy optimizer step (a dummy step moves the weights).
     for group in optimizer.param_groups:
@@ -756,9 +813,9 @@ class EpochMeter:
     step's graph has been launched: the hot loop itself never waits for the device.
     """
 
-    def __init__(self, epoch, steps, global_batch, world, log, progress):
+    def __init__(self, epoch, steps, global_batch, world, log, progress, quiet=False):
         self.epoch, self.steps, self.global_batch, self.world = epoch, steps, global_batch, world
-        self.log, self.progress = log, progress
+        self.log, self.progress, self.quiet = log, progress, quiet
         self.times = {}  # step -> when its loss reached the host
         self.last_loss = float("nan")
 
@@ -772,6 +829,8 @@ class EpochMeter:
         if step > WARMUP_STEPS:
             since = max(s for s in self.times if s < step)
             rate = (step - since) * self.global_batch / (now - self.times[since])
+        if self.quiet:
+            return
         self.log.write(kind="log", epoch=self.epoch, step=step, loss=values[-1], losses=values,
                        samples_per_s=rate)
         speed = "warm-up" if rate is None else (
@@ -879,6 +938,20 @@ class Topology:
         return xm.all_reduce(xm.REDUCE_SUM, totals)
 
 
+def train_epoch(model, optimizer, loader, args, epoch, topo, meter):
+    """TRAINING: nothing in this loop waits for the device; the step closures read the loss."""
+    pending = []
+    for step, batch in enumerate(topo.loader(loader), 1):
+        keep = layerdrop_keep(model, args, epoch, step, topo.device)
+        pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
+                                  topo.spmd))
+        if step % args.log_steps == 0 or step in (WARMUP_STEPS, len(loader)):
+            xm.add_step_closure(meter.fetch, args=(step, pending))
+            pending = []
+    if meter.progress:
+        meter.progress.close()
+
+
 def run_training(args, device_kind, mesh=None):
     """Everything one replica does; the SPMD path runs it once, over the whole mesh."""
     if mesh is None:
@@ -892,14 +965,14 @@ def run_training(args, device_kind, mesh=None):
     model = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
-    start_epoch, ckpt = 1, None
+    start_epoch, ckpt, converted = 1, None, False
     if args.resume:
-        ckpt = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
+        ckpt, converted = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
         start_epoch = ckpt["epoch"]
 
     images, labels = load_split(args, train=True)
     loader, sampler = train_loader(images, labels, per_load, topo.world, topo.rank, args.seed,
-                                   args.num_workers)
+                                   args.num_workers, args.steps_per_epoch)
     test = DataLoader(eval_shard(*load_split(args, train=False), per_load, topo.world, topo.rank),
                       batch_size=per_load)
     if len(loader) == 0:
@@ -916,7 +989,16 @@ def run_training(args, device_kind, mesh=None):
     if ckpt is not None:
         loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
         compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
-        print0(f"resume | continuing at epoch {start_epoch} of {args.epochs}")
+        if converted:
+            # Write the conversion now, in this mode's format, before any training changes it.
+            path = save_checkpoint(checkpoint_dict(model, optimizer, start_epoch, args, loss,
+                                                   accuracy), args.out_dir, topo.spmd, topo.world)
+            print0(f"resume | converted checkpoint saved as {path}")
+        if start_epoch > args.epochs:
+            print0(f"resume | nothing to train: the checkpoint finished epoch {start_epoch - 1}"
+                   f", --epochs is {args.epochs}")
+        else:
+            print0(f"resume | continuing at epoch {start_epoch} of {args.epochs}")
 
     counter = CompileCounter()
     accuracy = ckpt.get("accuracy") if ckpt else None
@@ -927,18 +1009,7 @@ def run_training(args, device_kind, mesh=None):
         meter = EpochMeter(epoch, len(loader), global_batch, topo.devices, log,
                            ProgressBar.create())
         started = time.perf_counter()
-
-        # TRAINING: nothing below waits for the device until the step closures run.
-        pending = []
-        for step, batch in enumerate(topo.loader(loader), 1):
-            keep = layerdrop_keep(model, args, epoch, step, topo.device)
-            pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
-                                      topo.spmd))
-            if step % args.log_steps == 0 or step in (WARMUP_STEPS, len(loader)):
-                xm.add_step_closure(meter.fetch, args=(step, pending))
-                pending = []
-        if meter.progress:
-            meter.progress.close()
+        train_epoch(model, optimizer, loader, args, epoch, topo, meter)
 
         test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
         path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
@@ -989,6 +1060,44 @@ def run_spmd(args, device_kind):
     run_training(args, device_kind, mesh)
 
 
+# ---- benchmark: the article's recompilation, measured ----------------------------------------
+
+
+def benchmark_layerdrop(args, device_kind):
+    """--benchmark layerdrop: the same steps, seeds and data with dynamic, then static drops.
+
+    Runs on one device in this process. Prints compilations, seconds spent compiling, and
+    samples/s over steps 3..N (the first two steps compile in both modes, so they are left out;
+    dynamic keeps compiling after them, which is the cost being measured).
+    """
+    steps = args.steps_per_epoch or 40
+    args.log_steps = steps  # read the loss only at the warm-up boundary and at the end
+    topo = Topology(torch_xla.device(), 1, 0, 1)
+    images, labels = load_split(args, train=True)
+    print(f"benchmark layerdrop | {device_kind} | {steps} steps x batch {args.batch_size} | "
+          f"P {args.layerdrop_prob} | seed {args.seed}")
+    rows = {}
+    for mode in ("dynamic", "static"):
+        args.layerdrop = mode
+        torch.manual_seed(args.seed)
+        model = ToyModel(mode, args.layerdrop_prob).to(topo.device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        loader, sampler = train_loader(images, labels, args.batch_size, 1, 0, args.seed, 0, steps)
+        sampler.set_epoch(1)
+        meter = EpochMeter(1, len(loader), args.batch_size, 1, None, None, quiet=True)
+        before, before_s = CompileCounter.read()
+        train_epoch(model, optimizer, loader, args, 1, topo, meter)
+        after, after_s = CompileCounter.read()
+        rows[mode] = (after - before, after_s - before_s, meter.samples_per_s())
+        print(f"{mode:8} | {after - before:3d} compilations | {after_s - before_s:6.1f} s "
+              f"compiling | {rows[mode][2]:8,.0f} samples/s (steps 3-{steps}) | loss "
+              f"{meter.last_loss:.4f}")
+    (dc, ds, dr), (sc, ss, sr) = rows["dynamic"], rows["static"]
+    print(f"ratio    | static runs {sr / dr:.1f}x the samples/s of dynamic, with {dc} vs {sc} "
+          f"compilations ({ds:.1f} s vs {ss:.1f} s compiling)")
+    return rows
+
+
 # ---- entry point -----------------------------------------------------------------------------
 
 
@@ -1028,11 +1137,16 @@ def run(argv=None):
     """Parses argv, trains, and returns a Result. Raises UsageError or TrainingFailed."""
     args = parse_args(argv)
     device_kind, available = select_runtime()
+    prepare_data(args)
     if args.export:
         export_checkpoint(args, device_kind)
         return None
+    if args.benchmark == "layerdrop":
+        benchmark_layerdrop(args, device_kind)
+        return None
     cores = check_cores(args, device_kind, available)
-    prepare_data(args)
+    if args.resume:
+        inspect_checkpoint(args.resume, args)
     prepare_out_dir(args)
     if args.spmd:
         run_spmd(args, device_kind)
