@@ -99,7 +99,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    p = _Parser(prog="train_tpu.py", description="Train the article's ToyModel on TPU cores.")
+    p = _Parser(prog="train_tpu.py", description="Train the article's ToyModel on TPU cores.",
+                allow_abbrev=False)
 
     hw = p.add_argument_group("devices")
     hw.add_argument("--cores", type=int, default=None,
@@ -155,9 +156,19 @@ def build_parser():
     return p
 
 
+# What a resumed run takes from its checkpoint unless the command line says otherwise.
+RESUMED_SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed",
+                    "steps_per_epoch", "layerdrop", "layerdrop_prob")
+
+
 def parse_args(argv=None):
     """Parses and validates the flags. Raises UsageError with a message that says what to do."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    # The flags given explicitly: a resumed run fills in the rest from its checkpoint.
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    args.explicit = [a.dest for a in parser._actions if given & set(a.option_strings)]
 
     def positive(name, value):
         if value < 1:
@@ -558,7 +569,7 @@ def evaluate_on_cpu(model_state, args, layerdrop):
 
 
 def checkpoint_dict(model, optimizer, next_epoch, args, test_loss, accuracy):
-    config = {k: v for k, v in vars(args).items() if k not in ("resume", "export", "overwrite")}
+    config = {k: getattr(args, k) for k in RESUMED_SETTINGS}
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "epoch": next_epoch, "variant": variant(args.layerdrop), "config": config,
             "test_loss": test_loss, "accuracy": accuracy}
@@ -587,6 +598,9 @@ def save_spmd_checkpoint(ckpt, out_dir):
     shutil.rmtree(tmp, ignore_errors=True)
     with _quiet_dcp_warnings():
         dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(tmp), planner=xc.SPMDSavePlanner())
+    # The plain fields again, readable without loading the shards (and by people: cat it).
+    with open(os.path.join(tmp, "train_tpu.json"), "w") as f:
+        json.dump({k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}, f, indent=1)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in os.listdir(root):  # keep the newest complete checkpoint only
@@ -633,6 +647,7 @@ def inspect_checkpoint(path, args):
     kind, where = find_checkpoint(path)
     if kind == "xm.save":
         ckpt = load_file_checkpoint(where, mmap=True)
+        apply_saved_settings(ckpt, args)
         check_variant(ckpt, args, where)
         return kind, where
     metadata = read_spmd_metadata(where)
@@ -644,9 +659,26 @@ def inspect_checkpoint(path, args):
         if not os.path.isfile(file) or os.path.getsize(file) < needed:
             raise UsageError(f"--resume {where}: shard file {name} is missing or truncated; the "
                              "checkpoint is incomplete")
+    try:
+        with open(os.path.join(where, "train_tpu.json")) as f:
+            apply_saved_settings(json.load(f), args)
+    except (OSError, ValueError):
+        raise UsageError(f"--resume {where}: train_tpu.json is missing or damaged; the "
+                         "checkpoint is incomplete")
     have = "toy-layerdrop" if "model.fc2.weight" in metadata.state_dict_metadata else "toy"
     check_variant({"variant": have}, args, where)
     return kind, where
+
+
+def apply_saved_settings(ckpt, args):
+    """Settings not given on this command line come from the checkpoint's configuration."""
+    taken = []
+    for name, value in ckpt.get("config", {}).items():
+        if name in RESUMED_SETTINGS and name not in args.explicit and getattr(args, name) != value:
+            setattr(args, name, value)
+            taken.append(f"--{name.replace('_', '-')} {value}")
+    if taken:
+        print(f"resume | from the checkpoint: {', '.join(taken)} (flags given now take precedence)")
 
 
 def read_spmd_metadata(directory):
@@ -773,7 +805,6 @@ def export_checkpoint(args, device_kind):
     """--resume X --export FILE: one ordinary torch.save file, proven to compute the same."""
     kind, where = find_checkpoint(args.resume)
     ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
-    args.layerdrop = "off" if ckpt.get("variant", "toy") == "toy" else "static"
     tmp = args.export + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, args.export)
@@ -1137,6 +1168,8 @@ def run(argv=None):
     """Parses argv, trains, and returns a Result. Raises UsageError or TrainingFailed."""
     args = parse_args(argv)
     device_kind, available = select_runtime()
+    if args.resume:
+        inspect_checkpoint(args.resume, args)  # may fill in settings from the checkpoint
     prepare_data(args)
     if args.export:
         export_checkpoint(args, device_kind)
@@ -1145,8 +1178,6 @@ def run(argv=None):
         benchmark_layerdrop(args, device_kind)
         return None
     cores = check_cores(args, device_kind, available)
-    if args.resume:
-        inspect_checkpoint(args.resume, args)
     prepare_out_dir(args)
     if args.spmd:
         run_spmd(args, device_kind)
