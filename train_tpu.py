@@ -922,6 +922,8 @@ def write_plot(out_dir):
 def read_history(out_dir):
     """(per-step records, per-epoch records) from OUT/metrics.jsonl."""
     steps, epochs = [], []
+    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        return steps, epochs
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
@@ -1165,7 +1167,7 @@ def prepare_out_dir(args):
 
 
 def run(argv=None):
-    """Parses argv, trains, and returns a Result. Raises UsageError or TrainingFailed."""
+    """Parses argv and does the work. Returns the args; raises UsageError or TrainingFailed."""
     args = parse_args(argv)
     device_kind, available = select_runtime()
     if args.resume:
@@ -1173,10 +1175,10 @@ def run(argv=None):
     prepare_data(args)
     if args.export:
         export_checkpoint(args, device_kind)
-        return None
+        return args
     if args.benchmark == "layerdrop":
         benchmark_layerdrop(args, device_kind)
-        return None
+        return args
     cores = check_cores(args, device_kind, available)
     prepare_out_dir(args)
     if args.spmd:
@@ -1185,7 +1187,7 @@ def run(argv=None):
         # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
         # its chip's cores. https://docs.pytorch.org/xla/release/r2.8/learn/pjrt.html
         xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
-    return collect_result(args)
+    return args
 
 
 def collect_result(args):
@@ -1201,7 +1203,8 @@ def collect_result(args):
 def fit(**flags):
     """Python entry with the command line's flags as keywords: fit(cores=1, data="synthetic").
 
-    Runs to the end and returns a Result; raises UsageError or TrainingFailed like main() exits.
+    Runs to the end and returns a Result; raises UsageError or TrainingFailed where main()
+    would exit non-zero.
     """
     argv = []
     for name, value in flags.items():
@@ -1210,7 +1213,7 @@ def fit(**flags):
             argv.append(flag)
         elif value not in (False, None):
             argv += [flag, str(value)]
-    return run(argv)
+    return collect_result(run(argv))
 
 
 def main(argv=None):

@@ -1,0 +1,480 @@
+"""Tests for train_tpu.py, on the CPU (PJRT_DEVICE=CPU): python -m pytest -q test_train_tpu.py
+
+Pure pieces (model, data, sampler, layerdrop, flag checks) run in this process in eager
+PyTorch. Anything that starts the XLA runtime runs train_tpu.py in a subprocess, as a user
+would: a runtime, once started in a process, cannot switch to SPMD or change its device count.
+"""
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import train_tpu as tt  # noqa: E402  (importing it must do nothing: no device, no parsing)
+
+
+def run_cli(*args, cwd, env=None, timeout=900):
+    """Runs train_tpu.py in a fresh process on the CPU; returns the CompletedProcess."""
+    full_env = dict(os.environ, PJRT_DEVICE="CPU")
+    full_env.pop("CPU_NUM_DEVICES", None)  # one CPU device unless a test asks for more
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, os.path.join(HERE, "train_tpu.py"), *map(str, args)],
+                          cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def epochs_of(out_dir):
+    return tt.read_history(str(out_dir))[1]
+
+
+def final_weights(out_dir):
+    kind, where = tt.find_checkpoint(str(out_dir))
+    ckpt = tt.load_file_checkpoint(where) if kind == "xm.save" else tt.spmd_to_file(where)
+    return ckpt
+
+
+# ---- model and data (in process) -------------------------------------------------------------
+
+
+def test_model_shapes_and_parameters():
+    x = torch.randn(3, 1, 28, 28)
+    off = tt.ToyModel("off")
+    assert off(x).shape == (3, 10)
+    assert {k: tuple(v.shape) for k, v in off.state_dict().items()} == {
+        "conv1.weight": (10, 1, 5, 5), "conv1.bias": (10,),
+        "fc1.weight": (10, 1440), "fc1.bias": (10,)}
+    for mode in ("dynamic", "static"):
+        m = tt.ToyModel(mode)
+        assert m(x).shape == (3, 10)
+        assert tuple(m.fc1.weight.shape) == (20, 1440) and tuple(m.fc2.weight.shape) == (20, 20)
+        assert tuple(m.fc3.weight.shape) == (10, 20)
+
+
+def test_synthetic_data_is_deterministic_and_learnable():
+    a_images, a_labels = tt.synthetic_digits(6000, 5)
+    b_images, b_labels = tt.synthetic_digits(6000, 5)
+    c_images, _ = tt.synthetic_digits(6000, 6)
+    assert torch.equal(a_images, b_images) and torch.equal(a_labels, b_labels)
+    assert not torch.equal(a_images, c_images)
+    assert a_images.shape == (6000, 1, 28, 28)
+    counts = torch.bincount(a_labels, minlength=10)
+    assert counts.min() > 450  # all ten classes, roughly balanced
+
+    test_images, test_labels = tt.synthetic_digits(1000, 99)
+    torch.manual_seed(0)
+    model = tt.ToyModel()
+    with torch.no_grad():
+        before = (model(test_images).argmax(1) == test_labels).float().mean().item()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for i in range(0, 6000, 64):
+        optimizer.zero_grad()
+        F.cross_entropy(model(a_images[i:i + 64]), a_labels[i:i + 64]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        after = (model(test_images).argmax(1) == test_labels).float().mean().item()
+    assert before < 0.25  # not solved by an untrained network
+    assert after > 0.90  # but learned from 94 steps, on held-out samples
+
+    # Not trivial: the glyph moves, so the class mean image at fixed pixels is a poor guide.
+    means = torch.stack([a_images[a_labels == d].mean(0) for d in range(10)])
+    nearest = torch.cdist(test_images.flatten(1), means.flatten(1)).argmin(1)
+    assert (nearest == test_labels).float().mean().item() < after - 0.1
+
+
+def test_training_shards_are_disjoint_and_cover_the_set():
+    images, labels = torch.zeros(1000, 1, 28, 28), torch.arange(1000)
+    seen = []
+    for rank in range(4):
+        loader, sampler = tt.train_loader(images, labels, 25, 4, rank, seed=3, num_workers=0)
+        sampler.set_epoch(2)
+        seen += [int(i) for batch in loader for i in batch["label"]]
+    assert sorted(seen) == list(range(1000))  # every sample once, across the 4 replicas
+
+
+def test_evaluation_shards_count_every_sample_once():
+    n = 1003  # not a multiple of the world size nor of the batch
+    images, labels = torch.zeros(n, 1, 28, 28), torch.arange(n)
+    counted, batches = [], set()
+    for rank in range(4):
+        shard = tt.eval_shard(images, labels, 64, 4, rank)
+        valid = shard.fields["valid"].bool()
+        counted += shard.fields["label"][valid].tolist()
+        batches.add(len(shard) // 64)
+        assert len(shard) % 64 == 0  # whole batches only: one shape, one compiled graph
+    assert sorted(counted) == list(range(n))
+    assert len(batches) == 1  # every replica runs the same number of batches (and collectives)
+
+
+def write_idx_mnist(root, n_train, n_test):
+    """MNIST-format IDX files (uint8, big-endian headers) under ROOT/MNIST/raw/."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    written = {}
+    for split, n, seed in (("train", n_train, 11), ("t10k", n_test, 12)):
+        images, labels = tt.synthetic_digits(n, seed)
+        pixels = ((images[:, 0] * tt.MNIST_STD + tt.MNIST_MEAN) * 255).round().clamp(0, 255)
+        pixels = pixels.to(torch.uint8)
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, n, 28, 28) + pixels.numpy().tobytes())
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(
+            struct.pack(">II", 2049, n) + labels.numpy().astype(np.uint8).tobytes())
+        written[split] = (pixels, labels)
+    return written
+
+
+def test_mnist_idx_files_are_read_by_torchvision(tmp_path):
+    written = write_idx_mnist(tmp_path, 300, 100)
+    args = tt.parse_args(["--data", "mnist", "--data-dir", str(tmp_path)])
+    tt.prepare_data(args)  # finds the files, no download
+    images, labels = tt.load_split(args, train=False)
+    pixels, expected_labels = written["t10k"]
+    assert torch.equal(labels, expected_labels)
+    assert torch.allclose(images[:, 0], (pixels.float() / 255 - tt.MNIST_MEAN) / tt.MNIST_STD)
+
+
+# ---- layerdrop (in process) ------------------------------------------------------------------
+
+
+def test_drop_pattern_depends_only_on_seed_epoch_step():
+    torch.manual_seed(1)
+    first = tt.drop_pattern(0, 2, 7, 0.5)
+    torch.manual_seed(2)
+    torch.rand(100)  # the global RNG moves on: a replica's own random state must not matter
+    assert tt.drop_pattern(0, 2, 7, 0.5) == first
+    assert len(first) == 50 and 10 < sum(first) < 40
+    others = [tt.drop_pattern(0, 2, 8, 0.5), tt.drop_pattern(0, 3, 7, 0.5),
+              tt.drop_pattern(1, 2, 7, 0.5)]
+    assert all(o != first for o in others)
+    assert all(tt.drop_pattern(5, 1, 1, 0.0)) and not any(tt.drop_pattern(5, 1, 1, 1.0))
+
+
+def test_static_and_dynamic_compute_the_same_function():
+    x, y = tt.synthetic_digits(16, 3)
+    torch.manual_seed(0)
+    static = tt.ToyModel("static")
+    dynamic = tt.ToyModel("dynamic")
+    dynamic.load_state_dict(static.state_dict())  # and the reverse, below
+    static.load_state_dict(dynamic.state_dict())
+    with torch.no_grad():
+        for p in (0.0, 0.5, 1.0):
+            keep = tt.drop_pattern(0, 1, 1, p)
+            a = F.cross_entropy(static(x, torch.tensor(keep)), y)
+            b = F.cross_entropy(dynamic(x, keep), y)
+            assert torch.allclose(a, b, atol=1e-6), p
+        # P = 1 drops every application: the same as a model without fc2.
+        skip = static.fc3(static.fc1(torch.flatten(static.mp1(F.relu(static.conv1(x))), 1)))
+        none_kept = tt.drop_pattern(0, 1, 1, 1.0)
+        assert torch.allclose(F.cross_entropy(dynamic(x, none_kept), y),
+                              F.cross_entropy(skip, y), atol=1e-6)
+
+
+# ---- bad input (in process: all of it fails before any device starts) -----------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cores", "0"], "--cores 0: must be at least 1"),
+    (["--cores", "64", "--data", "synthetic"], "this machine has 1 CPU device(s)"),
+    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--layerdrop-prob", "1.5"], "--layerdrop-prob 1.5: must be in [0, 1]"),
+    (["--epochs", "two"], "invalid int value"),
+    (["--export", "x.pt"], "--export needs --resume"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
+    assert tt.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_multicore_on_cpu_is_refused_with_the_reason(capsys, monkeypatch):
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert tt.main(["--cores", "4", "--data", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "collectives hang" in err and "--spmd" in err
+
+
+def test_missing_mnist_without_network_exits_2(tmp_path, capsys, monkeypatch):
+    import torchvision
+
+    # Point the download at a closed local port: no network, whatever the machine has.
+    monkeypatch.setattr(torchvision.datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])
+    assert tt.main(["--data-dir", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--data-dir" in err and "--data synthetic" in err
+
+
+def test_bad_flag_exits_2_from_the_command_line(tmp_path):
+    r = run_cli("--batch-size", "0", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["train_tpu.py: error: --batch-size 0: must be at least 1"]
+
+
+def test_damaged_checkpoints_exit_2(tmp_path, capsys):
+    model = tt.ToyModel("static")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    args = tt.parse_args(["--layerdrop", "static", "--data", "synthetic"])
+    good = tmp_path / "layerdrop.pt"
+    torch.save(tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0), good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:3000])
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    cases = [
+        (["--resume", str(good), "--layerdrop", "off"], "model variant 'toy-layerdrop'"),
+        (["--resume", str(truncated)], "truncated or damaged"),
+        (["--resume", str(empty_dir)], "no checkpoint there"),
+        (["--resume", str(tmp_path / "absent.pt")], "no such file"),
+    ]
+    for argv, message in cases:
+        assert tt.main(argv + ["--out-dir", str(tmp_path / "out")]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert good.stat().st_size > 0  # nothing was overwritten by the refused runs
+
+
+# ---- end to end: one replica through xmp.spawn -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """The README's CPU command, once: 1 core, synthetic data, 1 epoch, target 90%."""
+    out = tmp_path_factory.mktemp("synthetic") / "run"
+    r = run_cli("--cores", 1, "--data", "synthetic", "--epochs", 1, "--target-accuracy", 90,
+                "--out-dir", out, cwd=out.parent)
+    return r, out
+
+
+def test_spawn_run_on_synthetic_data_reaches_90_percent(synthetic_run):
+    r, out = synthetic_run
+    assert r.returncode == 0, r.stderr
+    (epoch,) = epochs_of(out)
+    assert epoch["accuracy"] >= 90.0
+    assert re.search(r"accuracy \d+\.\d+% \(5,000 samples\)", r.stdout)
+    # A handful of graphs: two training steps (the first creates the momentum), evaluation.
+    assert 2 <= epoch["compiles_total"] <= 6
+    assert epoch["cpu_fallback_ops"] == {}
+    assert "CPU fallback ops: none" in r.stdout
+
+
+def test_checkpoint_written_once_and_plain_torch_load_reads_it(synthetic_run):
+    r, out = synthetic_run
+    names = sorted(os.listdir(out))
+    assert names == ["checkpoint.pt", "metrics.jsonl", "metrics.png"]  # no .tmp left behind
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert ckpt["epoch"] == 2 and ckpt["variant"] == "toy"
+    assert ckpt["config"]["data"] == "synthetic"
+    momentum = [s["momentum_buffer"] for s in ckpt["optimizer"]["state"].values()]
+    assert len(momentum) == 4 and all(m.abs().sum() > 0 for m in momentum)
+    assert r.stdout.count("checkpoint ") == 1
+
+
+def test_target_accuracy_not_reached_exits_21(tmp_path):
+    r = run_cli("--cores", 1, "--data", "synthetic", "--epochs", 1, "--steps-per-epoch", 3,
+                "--target-accuracy", 99.9, "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 21
+    assert "below --target-accuracy 99.9" in r.stderr
+
+
+def test_mnist_format_files_end_to_end(tmp_path):
+    write_idx_mnist(tmp_path / "data", 12_800, 2_000)
+    r = run_cli("--cores", 1, "--data-dir", tmp_path / "data", "--epochs", 1,
+                "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "100 steps per epoch" in r.stdout  # 12,800 / 128: torchvision read our files
+    (epoch,) = epochs_of(tmp_path / "run")
+    assert epoch["accuracy"] > 90.0
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    common = ["--cores", 1, "--data", "synthetic", "--steps-per-epoch", 12, "--log-steps", 5]
+    straight = run_cli(*common, "--epochs", 2, "--out-dir", tmp_path / "a", cwd=tmp_path)
+    first = run_cli(*common, "--epochs", 1, "--out-dir", tmp_path / "b", cwd=tmp_path)
+    resumed = run_cli("--resume", tmp_path / "b" / "checkpoint.pt", "--epochs", 2, cwd=tmp_path)
+    for r in (straight, first, resumed):
+        assert r.returncode == 0, r.stderr
+    assert "continuing at epoch 2 of 2" in resumed.stdout
+    assert "resume check" in resumed.stdout and "| equal" in resumed.stdout
+    a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
+    assert b["epoch"] == 3
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name  # momentum and shuffle too
+    # The history continues: epoch 1 once, then epoch 2; as many step losses as steps run.
+    history, epochs = tt.read_history(str(tmp_path / "b"))
+    assert [e["epoch"] for e in epochs] == [1, 2] and len(history) == 24
+
+
+def test_fresh_run_refuses_an_out_dir_holding_a_run(synthetic_run, capsys):
+    _, out = synthetic_run
+    assert tt.main(["--data", "synthetic", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert (out / "checkpoint.pt").exists()
+
+
+# ---- SPMD ------------------------------------------------------------------------------------
+
+
+def test_spmd_run_on_4_devices_reaches_90_percent(tmp_path):
+    r = run_cli("--spmd", "--cores", 4, "--data", "synthetic", "--epochs", 1,
+                "--target-accuracy", 90, "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "spmd mesh 4 devices | global batch 512" in r.stdout
+    (epoch,) = epochs_of(tmp_path / "run")
+    assert epoch["accuracy"] >= 90.0
+    assert os.listdir(tmp_path / "run" / "checkpoint-spmd") == ["epoch-0001"]
+
+
+STEP_SCRIPT = r"""
+import os, sys
+mode, out = sys.argv[1], sys.argv[2]
+if mode == "spmd":
+    os.environ["CPU_NUM_DEVICES"] = "4"
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import train_tpu as tt
+if mode == "spmd":
+    import torch_xla.distributed.spmd as xs
+    xr.use_spmd()
+    topo = tt.Topology(torch_xla.device(), 1, 0, 4, xs.Mesh(np.arange(4), (4,), ("data",)))
+else:
+    topo = tt.Topology(torch_xla.device(), 1, 0, 1)
+images, labels = tt.synthetic_digits(512, 7)
+loader = torch.utils.data.DataLoader(tt.Examples(image=images, label=labels), batch_size=512)
+torch.manual_seed(0)
+model = tt.ToyModel().to(topo.device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for batch in topo.loader(loader):
+    spec = torch_xla._XLAC._get_xla_sharding_spec(batch["image"])
+    tt.train_step(model, optimizer, batch["image"], batch["label"], None, topo.spmd)
+torch_xla.sync()
+torch.save({"spec": spec, "model": {k: v.cpu() for k, v in model.state_dict().items()}}, out)
+"""
+
+
+def test_spmd_step_on_4_devices_equals_single_device_step(tmp_path):
+    results = {}
+    for mode in ("spmd", "single"):
+        env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
+        env.pop("CPU_NUM_DEVICES", None)
+        r = subprocess.run([sys.executable, "-c", STEP_SCRIPT, mode, str(tmp_path / mode)],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        results[mode] = torch.load(tmp_path / mode, weights_only=True)
+    # The batch really is split over 4 devices along its first dimension.
+    assert results["spmd"]["spec"] == "{devices=[4,1,1,1]0,1,2,3}"
+    assert results["single"]["spec"] == ""
+    for name, w in results["single"]["model"].items():
+        assert (w - results["spmd"]["model"][name]).abs().max() < 1e-5, name
+    torch.manual_seed(0)
+    initial = tt.ToyModel().state_dict()
+    assert any((initial[k] - w).abs().max() > 1e-3 for k, w in results["single"]["model"].items())
+
+
+def test_checkpoint_round_trip_multicore_to_spmd_and_back(synthetic_run, tmp_path):
+    _, source = synthetic_run
+    original = torch.load(source / "checkpoint.pt", weights_only=True)
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir)
+    with open(source / "checkpoint.pt", "rb") as f, open(run_dir / "checkpoint.pt", "wb") as g:
+        g.write(f.read())
+    # Resume under SPMD with nothing left to train: the conversion is saved as it is.
+    r = run_cli("--spmd", "--cores", 4, "--resume", run_dir / "checkpoint.pt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "xm.save checkpoint" in r.stdout and "later saves use the SPMD format" in r.stdout
+    check = re.search(r"resume check \| test loss saved ([\d.]+) vs now ([\d.]+) .*\| equal",
+                      r.stdout)
+    assert check and abs(float(check[1]) - float(check[2])) <= 1e-5
+    assert os.path.isfile(run_dir / "checkpoint-spmd" / "epoch-0001" / ".metadata")
+
+    back = tmp_path / "back.pt"
+    assert tt.main(["--resume", str(run_dir / "checkpoint-spmd"), "--export", str(back)]) == 0
+    exported = torch.load(back, weights_only=True)
+    for name, t in original["model"].items():
+        assert torch.equal(t, exported["model"][name]), name
+    assert exported["optimizer"]["state"].keys() == original["optimizer"]["state"].keys()
+    for i, state in original["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], exported["optimizer"]["state"][i]["momentum_buffer"])
+    assert exported["epoch"] == original["epoch"]
+    assert abs(exported["test_loss"] - original["test_loss"]) <= 1e-5
+
+
+def test_damaged_spmd_checkpoint_exits_2(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    # A checkpoint in the SPMD layout, written on the host by the same DCP file writer.
+    model = tt.ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    args = tt.parse_args(["--data", "synthetic"])
+    ckpt = tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0)
+    directory = tmp_path / "ckpt"
+    with tt._quiet_dcp_warnings():
+        dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(str(directory)))
+    (directory / "train_tpu.json").write_text(json.dumps({"config": ckpt["config"]}))
+    assert tt.inspect_checkpoint(str(directory), args) == ("spmd", str(directory))
+    shard = next(p for p in directory.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:500])
+    assert tt.main(["--spmd", "--resume", str(directory), "--out-dir", str(tmp_path / "o")]) == 2
+    assert "missing or truncated" in capsys.readouterr().err
+    (directory / ".metadata").unlink()
+    assert tt.main(["--spmd", "--resume", str(directory), "--out-dir", str(tmp_path / "o")]) == 2
+    assert "no checkpoint there" in capsys.readouterr().err
+
+
+# ---- recompilation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layerdrop", ["off", "static"])
+def test_no_recompiles_after_warmup(layerdrop, tmp_path):
+    r = run_cli("--cores", 1, "--data", "synthetic", "--layerdrop", layerdrop, "--epochs", 2,
+                "--steps-per-epoch", 8, "--max-recompiles", 0, "--out-dir", tmp_path / "run",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    first, second = epochs_of(tmp_path / "run")
+    assert first["compiles_epoch"] >= 2  # the warm-up compiled the step and the evaluation
+    assert second["compiles_epoch"] == 0 and second["recompiles_after_warmup"] == 0
+    assert "recompiles after warm-up 0 |" in r.stdout
+
+
+def kept_counts(seed, epochs, steps):
+    return {(e, s): sum(tt.drop_pattern(seed, e, s, 0.5))
+            for e in range(1, epochs + 1) for s in range(1, steps + 1)}
+
+
+def test_dynamic_layerdrop_trips_max_recompiles_exactly_as_predicted(tmp_path):
+    seed, steps = 0, 15
+    counts = kept_counts(seed, 3, steps)
+    # Step 1 of the run creates the momentum buffers (its own graph); every other step's graph
+    # is set by how many fc2 applications it keeps. Predict the first epoch with a new one.
+    warm = {counts[1, s] for s in range(2, steps + 1)}
+    new = {counts[2, s] for s in range(1, steps + 1)} - warm
+    assert new, "pick another seed: this one repeats epoch 1's graphs"
+    r = run_cli("--cores", 1, "--data", "synthetic", "--layerdrop", "dynamic", "--epochs", 3,
+                "--steps-per-epoch", steps, "--seed", seed, "--max-recompiles", 0,
+                "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert f"recompiled {len(new)} graphs after warm-up, more than --max-recompiles 0" in r.stderr
+    assert r.stderr.count("\n") == 1
+    first, second = epochs_of(tmp_path / "run")
+    assert second["recompiles_after_warmup"] == len(new)
+    assert (tmp_path / "run" / "checkpoint.pt").exists()  # the failing epoch was still saved
+
+
+def test_layerdrop_benchmark_counts_one_graph_per_kept_count(tmp_path):
+    steps, seed = 40, 0
+    r = run_cli("--benchmark", "layerdrop", "--data", "synthetic", "--steps-per-epoch", steps,
+                "--seed", seed, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    figures = dict(re.findall(r"^(dynamic|static)\s+\|\s+(\d+) compilations", r.stdout, re.M))
+    counts = kept_counts(seed, 1, steps)
+    distinct = len({counts[1, s] for s in range(2, steps + 1)})
+    assert int(figures["dynamic"]) == distinct + 1  # + step 1, which creates the momentum
+    assert 5 < int(figures["dynamic"]) <= 51 + 1
+    assert int(figures["static"]) == 2
+    assert "ratio" in r.stdout
