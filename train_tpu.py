@@ -73,8 +73,12 @@ SYNTHETIC_TRAIN, SYNTHETIC_TEST = 30_000, 5_000  # generated digits per split
 SYNTHETIC_DATA_SEED = 1234  # fixed, so runs with different --seed see the same data
 LAYERDROP_REPEATS = 50  # the article's loop: one shared fc2 applied up to 50 times
 WARMUP_STEPS = 2  # steps per epoch left out of samples/s: step 1 and 2 compile their graphs
+# --smoke: long enough to learn and to have an epoch after warm-up, short enough for a VM check.
+SMOKE_PRESET = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10,
+                    target_accuracy=90.0)
 
-EXIT_BAD_INPUT, EXIT_RECOMPILES, EXIT_RESUME_MISMATCH, EXIT_BELOW_TARGET = 2, 3, 4, 21
+EXIT_SMOKE_FAILED, EXIT_BAD_INPUT, EXIT_RECOMPILES, EXIT_RESUME_MISMATCH = 1, 2, 3, 4
+EXIT_BELOW_TARGET = 21  # as pytorch/xla's test_train_mp_mnist.py
 
 
 class UsageError(Exception):
@@ -140,6 +144,19 @@ def build_parser():
     drop.add_argument("--metrics-debug", action="store_true",
                       help="print torch_xla's full metrics report after every epoch")
 
+    smoke = p.add_argument_group("smoke test of a new TPU VM")
+    smoke.add_argument("--smoke", action="store_true",
+                       help="a short run that ends with a PASS/FAIL verdict per check; exit 0 "
+                            "only if all pass (presets, unless given: " + ", ".join(
+                                f"--{k.replace('_', '-')} {v}" for k, v in SMOKE_PRESET.items())
+                            + ")")
+    smoke.add_argument("--report", default=None, metavar="PATH",
+                       help="with --smoke: also write the verdict as JSON to PATH")
+    smoke.add_argument("--matmul-precision", choices=("default", "high", "highest"),
+                       default="default",
+                       help="TPU matmul precision (default: one bfloat16 pass); the numerics "
+                            "check's tolerance follows it")
+
     out = p.add_argument_group("logging and checkpoints")
     out.add_argument("--log-steps", type=int, default=20, help="log every N steps")
     out.add_argument("--out-dir", default=None,
@@ -169,6 +186,10 @@ def parse_args(argv=None):
     # The flags given explicitly: a resumed run fills in the rest from its checkpoint.
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
     args.explicit = [a.dest for a in parser._actions if given & set(a.option_strings)]
+    if args.smoke:
+        for name, value in SMOKE_PRESET.items():
+            if name not in args.explicit:
+                setattr(args, name, value)
 
     def positive(name, value):
         if value < 1:
@@ -189,14 +210,17 @@ def parse_args(argv=None):
         raise UsageError(f"--momentum {args.momentum}: must be in [0, 1)")
     if not 0 <= args.layerdrop_prob <= 1:
         raise UsageError(f"--layerdrop-prob {args.layerdrop_prob}: must be in [0, 1]")
-    if not 0 <= args.target_accuracy <= 100:
-        raise UsageError(f"--target-accuracy {args.target_accuracy}: a percentage, 0 to 100")
+    if not 0 <= args.target_accuracy < math.inf:
+        # Above 100 is allowed and unreachable: a way to see a run (or a smoke check) fail.
+        raise UsageError(f"--target-accuracy {args.target_accuracy}: a percentage, 0 or more")
     if args.max_recompiles is not None and args.max_recompiles < 0:
         raise UsageError(f"--max-recompiles {args.max_recompiles}: must be 0 or more")
     if args.resume is not None and not os.path.exists(args.resume):
         raise UsageError(f"--resume {args.resume}: no such file or directory")
     if args.export is not None and args.resume is None:
         raise UsageError("--export needs --resume PATH: the checkpoint to convert")
+    if args.report is not None and not args.smoke:
+        raise UsageError("--report writes the smoke verdict: add --smoke")
     return args
 
 
@@ -848,14 +872,14 @@ class EpochMeter:
         self.epoch, self.steps, self.global_batch, self.world = epoch, steps, global_batch, world
         self.log, self.progress, self.quiet = log, progress, quiet
         self.times = {}  # step -> when its loss reached the host
-        self.last_loss = float("nan")
+        self.losses = []  # this replica's loss at every step, in order
 
     def fetch(self, step, losses):
         # Deliberate sync: .cpu() waits until the step has run. One per --log-steps steps.
         values = [float(t.detach().cpu()) for t in losses]
         now = time.perf_counter()
         self.times[step] = now
-        self.last_loss = values[-1]
+        self.losses += values
         rate = None
         if step > WARMUP_STEPS:
             since = max(s for s in self.times if s < step)
@@ -936,6 +960,127 @@ def read_history(out_dir):
     return steps, epochs
 
 
+# ---- smoke checks: is this machine fit to train on? ------------------------------------------
+
+
+class Verdict:
+    """PASS/FAIL checks with their figures; printed as a table and written as JSON."""
+
+    def __init__(self):
+        self.checks = []
+
+    def add(self, name, passed, figure):
+        self.checks.append({"name": name, "passed": bool(passed), "figure": figure})
+
+    @property
+    def passed(self):
+        return all(c["passed"] for c in self.checks)
+
+    def table(self):
+        lines = [f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']:<12} {c['figure']}"
+                 for c in self.checks]
+        failed = [c["name"] for c in self.checks if not c["passed"]]
+        summary = "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")"
+        return "\n".join(["smoke verdict"] + lines + [f"smoke verdict: {summary}, "
+                          f"{len(self.checks) - len(failed)}/{len(self.checks)} checks passed"])
+
+    def to_json(self, args):
+        import torchvision
+
+        versions = {"python": sys.version.split()[0], "torch": torch.__version__,
+                    "torch_xla": torch_xla.__version__, "torchvision": torchvision.__version__}
+        config = {k: v for k, v in vars(args).items() if k != "explicit"}
+        return {"passed": self.passed, "checks": self.checks, "config": config,
+                "versions": versions}
+
+
+def check_devices(verdict, topo, args, device_kind):
+    found = xr.global_runtime_device_count()
+    requested = args.cores or found
+    kind = xm.xla_device_hw(topo.device)
+    verdict.add("devices", found >= requested and topo.devices == requested,
+                f"runtime {device_kind}, device kind {kind}, {found} found, "
+                f"{requested} requested, {topo.devices} in use")
+
+
+def check_collectives(verdict, topo):
+    """Multi-core: all-reduce each replica's ordinal. SPMD: a reduction over a sharded tensor."""
+    n = topo.devices
+    expected = n * (n - 1) / 2
+    if topo.spmd:
+        import torch_xla.distributed.spmd as xs
+
+        values = torch.arange(n, dtype=torch.float32).to(topo.device)
+        xs.mark_sharding(values, topo.mesh, ("data",))  # one value on each device
+        got = float(values.sum().cpu())  # XLA sums each shard, then all-reduces the partials
+        verdict.add("collectives", got == expected,
+                    f"sharded sum over {n} devices = {got:g} (expected {expected:g})")
+        return
+    ordinal = torch.tensor([float(xr.global_ordinal())], device=topo.device)
+    total = xm.all_reduce(xm.REDUCE_SUM, ordinal)
+    agree = xm.all_reduce(xm.REDUCE_SUM, (total == expected).float())  # replicas that saw it
+    got, agreeing = float(total.cpu()), int(agree.cpu())
+    verdict.add("collectives", got == expected and agreeing == n,
+                f"all-reduce of ordinals = {got:g} on {agreeing}/{n} replicas "
+                f"(expected n(n-1)/2 = {expected:g})")
+
+
+def numerics_tolerance(device_kind, precision):
+    # float32 on the CPU agrees with eager PyTorch to rounding. A TPU's "default" precision
+    # multiplies in one bfloat16 pass (8-bit mantissa, relative error ~4e-3 per product, more
+    # after summing 1,440 of them); "high" is 3 passes (~14 bits), "highest" 6 (~22 bits).
+    # A wrong weight or layout (the third seed's symptom) moves logits by O(1), far above these.
+    if device_kind == "CPU":
+        return 1e-5
+    return {"default": 5e-2, "high": 1e-3, "highest": 1e-5}[precision]
+
+
+def check_numerics(verdict, model, images, labels, topo, device_kind, args):
+    """The same first forward pass on the device and in eager PyTorch on the host CPU."""
+    reference = ToyModel(args.layerdrop, args.layerdrop_prob)
+    reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        logits = model(images.to(topo.device))
+        loss = F.cross_entropy(logits, labels.to(topo.device))
+        logits, loss = logits.cpu(), float(loss.cpu())  # deliberate sync: a one-off check
+        ref_logits = reference(images)
+        ref_loss = float(F.cross_entropy(ref_logits, labels))
+    logits_diff = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
+    loss_diff = abs(loss - ref_loss) / abs(ref_loss)
+    tol = numerics_tolerance(device_kind, args.matmul_precision)
+    hint = ("" if device_kind == "CPU" else
+            f"; matmul precision {args.matmul_precision}, raise it with --matmul-precision "
+            "highest (torch_xla.backends.set_mat_mul_precision)")
+    verdict.add("numerics", logits_diff <= tol and loss_diff <= tol,
+                f"device vs eager CPU on the first batch: logits rel diff {logits_diff:.1e}, "
+                f"loss rel diff {loss_diff:.1e} (tolerance {tol:.0e}{hint})")
+
+
+def check_checkpoint(verdict, model, optimizer, path):
+    """What was saved, read back from disk, equals what is in memory, tensor for tensor."""
+    ckpt = load_file_checkpoint(path) if os.path.isfile(path) else spmd_to_file(path)
+    live = {f"model.{k}": v.cpu() for k, v in model.state_dict().items()}
+    for i, state in optimizer.state_dict()["state"].items():
+        live[f"momentum.{i}"] = state["momentum_buffer"].cpu()
+    saved = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for i, state in ckpt["optimizer"]["state"].items():
+        saved[f"momentum.{i}"] = state["momentum_buffer"]
+    same = [k for k in live if k in saved and torch.equal(live[k], saved[k])]
+    verdict.add("checkpoint", len(same) == len(live) == len(saved),
+                f"saved, reloaded from {path}: {len(same)}/{len(live)} tensors identical")
+
+
+def finish_smoke(verdict, args):
+    """Prints the table and writes the JSON (master only)."""
+    print0(verdict.table())
+    if is_master():
+        report = json.dumps(verdict.to_json(args), indent=1)
+        for path in filter(None, (os.path.join(args.out_dir, "verdict.json"), args.report)):
+            with open(path + ".tmp", "w") as f:
+                f.write(report)
+            os.replace(path + ".tmp", path)
+
+
 # ---- the per-replica training function -------------------------------------------------------
 
 
@@ -993,6 +1138,10 @@ def run_training(args, device_kind, mesh=None):
         topo = Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
     per_load = args.batch_size * (topo.devices if topo.spmd else 1)
     global_batch = args.batch_size * topo.devices
+    if args.matmul_precision != "default":
+        from torch_xla import backends
+
+        backends.set_mat_mul_precision(args.matmul_precision)
 
     torch.manual_seed(args.seed)  # the same initial weights on every replica
     model = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
@@ -1018,6 +1167,13 @@ def run_training(args, device_kind, mesh=None):
            f"(as given, not scaled) | model {variant(args.layerdrop)}, layerdrop {args.layerdrop}"
            f" | out {args.out_dir}")
 
+    verdict = Verdict() if args.smoke else None
+    if verdict:
+        check_devices(verdict, topo, args, device_kind)
+        check_collectives(verdict, topo)
+        check_numerics(verdict, model, images[:per_load], labels[:per_load], topo, device_kind,
+                       args)
+
     log = RunLog(args.out_dir, start_epoch)
     if ckpt is not None:
         loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
@@ -1035,6 +1191,7 @@ def run_training(args, device_kind, mesh=None):
 
     counter = CompileCounter()
     accuracy = ckpt.get("accuracy") if ckpt else None
+    losses, rate, path = [], None, None
     for epoch in range(start_epoch, args.epochs + 1):
         first = epoch == start_epoch
         counter.start_epoch()
@@ -1043,6 +1200,7 @@ def run_training(args, device_kind, mesh=None):
                            ProgressBar.create())
         started = time.perf_counter()
         train_epoch(model, optimizer, loader, args, epoch, topo, meter)
+        losses += meter.losses
 
         test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
         path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
@@ -1059,7 +1217,7 @@ def run_training(args, device_kind, mesh=None):
             print0(met.metrics_report())
         if is_master():
             write_plot(args.out_dir)
-        if (args.max_recompiles is not None
+        if (args.max_recompiles is not None and not args.smoke
                 and compiles["recompiles_after_warmup"] > args.max_recompiles):
             raise TrainingFailed(
                 f"recompiled {compiles['recompiles_after_warmup']} graphs after warm-up, more "
@@ -1069,6 +1227,31 @@ def run_training(args, device_kind, mesh=None):
     total, seconds = CompileCounter.read()
     print0(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}% | compiled {total} "
            f"graphs in {seconds:.1f} s | out {args.out_dir}")
+    if verdict:
+        recompiles = total - counter.at_warmup_end if counter.at_warmup_end is not None else 0
+        allowed = args.max_recompiles or 0
+        fallbacks = cpu_fallback_ops()
+        verdict.add("compilation", recompiles <= allowed and not fallbacks,
+                    f"{total} compilations ({seconds:.1f} s), {recompiles} after warm-up "
+                    f"(allowed {allowed}), CPU fallback ops: "
+                    f"{', '.join(f'{k} x{v}' for k, v in fallbacks.items()) or 'none'}")
+        verdict.add("throughput", bool(rate),
+                    f"{rate or 0:,.0f} samples/s global, {(rate or 0) / topo.devices:,.0f} per "
+                    f"device (last epoch, its first {WARMUP_STEPS} steps left out)")
+        k = max(1, len(losses) // 4)
+        before, after = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (0, 0)
+        verdict.add("learning", after < before and (accuracy or 0) >= args.target_accuracy,
+                    f"loss {before:.3f} -> {after:.3f} (mean of first and last {k} steps), "
+                    f"test accuracy {accuracy or 0:.2f}% (target {args.target_accuracy:g}%)")
+        if path and is_master():
+            check_checkpoint(verdict, model, optimizer, path)
+        elif is_master():
+            verdict.add("checkpoint", False, "no epoch ran, so nothing was saved")
+        finish_smoke(verdict, args)
+        if not verdict.passed:
+            failed = ", ".join(c["name"] for c in verdict.checks if not c["passed"])
+            raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
+        return
     if accuracy is not None and accuracy < args.target_accuracy:
         raise TrainingFailed(f"test accuracy {accuracy:.2f}% is below --target-accuracy "
                              f"{args.target_accuracy}", EXIT_BELOW_TARGET)
@@ -1124,7 +1307,7 @@ def benchmark_layerdrop(args, device_kind):
         rows[mode] = (after - before, after_s - before_s, meter.samples_per_s())
         print(f"{mode:8} | {after - before:3d} compilations | {after_s - before_s:6.1f} s "
               f"compiling | {rows[mode][2]:8,.0f} samples/s (steps 3-{steps}) | loss "
-              f"{meter.last_loss:.4f}")
+              f"{meter.losses[-1]:.4f}")
     (dc, ds, dr), (sc, ss, sr) = rows["dynamic"], rows["static"]
     print(f"ratio    | static runs {sr / dr:.1f}x the samples/s of dynamic, with {dc} vs {sc} "
           f"compilations ({ds:.1f} s vs {ss:.1f} s compiling)")
@@ -1141,6 +1324,7 @@ class Result:
     history: list  # one dict per training step: epoch, step, loss (master replica)
     epochs: list  # one dict per epoch: test loss, accuracy, samples/s, compile figures
     out_dir: str
+    verdict: dict = None  # with --smoke: the same verdict as the printed table
 
 
 def prepare_out_dir(args):
@@ -1197,7 +1381,11 @@ def collect_result(args):
     model = ToyModel(args.layerdrop, args.layerdrop_prob)
     model.load_state_dict(ckpt["model"])
     history, epochs = read_history(args.out_dir)
-    return Result(model, history, epochs, args.out_dir)
+    verdict = None
+    if args.smoke:
+        with open(os.path.join(args.out_dir, "verdict.json")) as f:
+            verdict = json.load(f)
+    return Result(model, history, epochs, args.out_dir, verdict)
 
 
 def fit(**flags):
