@@ -102,12 +102,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+class _Help(argparse.HelpFormatter):
+    def _get_help_string(self, action):
+        # Show real defaults; "None" and "False" would say nothing.
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) \
+                or "default" in action.help:
+            return action.help
+        return action.help + " (default: %(default)s)"
+
+
 def build_parser():
     p = _Parser(prog="train_tpu.py", description="Train the article's ToyModel on TPU cores.",
-                allow_abbrev=False)
+                allow_abbrev=False, formatter_class=_Help)
 
     hw = p.add_argument_group("devices")
-    hw.add_argument("--cores", type=int, default=None,
+    hw.add_argument("--cores", type=int, default=None, metavar="N",
                     help="devices to train on: 1, or all of them (the default)")
     hw.add_argument("--spmd", action="store_true",
                     help="one process drives every device; the batch is sharded by GSPMD")
@@ -115,14 +124,14 @@ def build_parser():
     data = p.add_argument_group("data")
     data.add_argument("--data", choices=("mnist", "synthetic"), default="mnist",
                       help="torchvision MNIST, or generated digits made in memory")
-    data.add_argument("--data-dir", default="data",
+    data.add_argument("--data-dir", default="data", metavar="DIR",
                       help="where MNIST lives (DIR/MNIST/raw/*-ubyte) or is downloaded to")
-    data.add_argument("--num-workers", type=int, default=0,
+    data.add_argument("--num-workers", type=int, default=0, metavar="N",
                       help="DataLoader worker processes per replica")
 
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=3, help="epochs to train in total")
-    train.add_argument("--batch-size", type=int, default=128, help="samples per core per step")
+    train.add_argument("--epochs", type=int, default=3, metavar="N", help="epochs to train in total")
+    train.add_argument("--batch-size", type=int, default=128, metavar="N", help="samples per core per step")
     train.add_argument("--lr", type=float, default=0.05,
                        help="SGD learning rate, used as given (not scaled with the world size)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
@@ -143,6 +152,9 @@ def build_parser():
                       help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
     drop.add_argument("--metrics-debug", action="store_true",
                       help="print torch_xla's full metrics report after every epoch")
+    drop.add_argument("--benchmark", choices=("layerdrop",), default=None,
+                      help="layerdrop: time --steps-per-epoch steps (default 40) of dynamic "
+                           "and static layerdrop on one device, print the figures, exit")
 
     smoke = p.add_argument_group("smoke test of a new TPU VM")
     smoke.add_argument("--smoke", action="store_true",
@@ -158,8 +170,8 @@ def build_parser():
                             "check's tolerance follows it")
 
     out = p.add_argument_group("logging and checkpoints")
-    out.add_argument("--log-steps", type=int, default=20, help="log every N steps")
-    out.add_argument("--out-dir", default=None,
+    out.add_argument("--log-steps", type=int, default=20, metavar="N", help="log every N steps")
+    out.add_argument("--out-dir", default=None, metavar="DIR",
                      help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
     out.add_argument("--overwrite", action="store_true",
                      help="start clean in an --out-dir that already holds a run (deletes it)")
@@ -167,9 +179,7 @@ def build_parser():
                      help="continue from a checkpoint: an xm.save file or an SPMD directory")
     out.add_argument("--export", default=None, metavar="FILE",
                      help="with --resume: write that checkpoint as one torch.save file, then exit")
-    out.add_argument("--benchmark", choices=("layerdrop",), default=None,
-                     help="layerdrop: time --steps-per-epoch steps (default 40) of dynamic "
-                          "and static layerdrop on one device, then exit")
+
     return p
 
 
