@@ -478,3 +478,111 @@ def test_layerdrop_benchmark_counts_one_graph_per_kept_count(tmp_path):
     assert 5 < int(figures["dynamic"]) <= 51 + 1
     assert int(figures["static"]) == 2
     assert "ratio" in r.stdout
+
+
+# ---- smoke verdict, results in the parent, artifacts -----------------------------------------
+
+
+def printed_checks(stdout):
+    """The verdict table's rows as (name, passed, figure)."""
+    rows = re.findall(r"^  (PASS|FAIL)  (\S+)\s+(.*)$", stdout, re.M)
+    return [{"name": n, "passed": p == "PASS", "figure": f} for p, n, f in rows]
+
+
+CHECKS = ["devices", "collectives", "numerics", "compilation", "throughput", "learning",
+          "checkpoint"]
+
+
+@pytest.mark.parametrize("mode", [["--cores", 1], ["--spmd", "--cores", 4]], ids=["1core", "spmd4"])
+def test_smoke_passes_on_a_healthy_cpu(mode, tmp_path):
+    r = run_cli("--smoke", *mode, "--report", tmp_path / "r.json", "--out-dir", tmp_path / "run",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is True
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    assert report["checks"] == printed_checks(r.stdout)  # the JSON says what the table says
+    assert report["versions"]["torch_xla"].startswith("2.9")
+    assert report["config"]["smoke"] is True and report["config"]["data"] == "synthetic"
+    figures = {c["name"]: c["figure"] for c in report["checks"]}
+    n = 4 if "--spmd" in mode else 1
+    assert f"{n} found, {n} requested" in figures["devices"]
+    assert f"= {n * (n - 1) // 2}" in figures["collectives"]
+    assert "8/8 tensors identical" in figures["checkpoint"]
+    assert json.loads((tmp_path / "run" / "verdict.json").read_text()) == report
+
+
+def test_smoke_fails_and_names_the_check_for_an_impossible_target(tmp_path):
+    r = run_cli("--smoke", "--cores", 1, "--target-accuracy", 101, "--report", tmp_path / "r.json",
+                "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is False
+    assert [c["name"] for c in report["checks"] if not c["passed"]] == ["learning"]
+    assert report["checks"] == printed_checks(r.stdout)
+    assert "smoke verdict: FAIL (learning)" in r.stdout
+
+
+def test_smoke_fails_compilation_on_a_forced_recompile(tmp_path):
+    seed, steps = 0, 15
+    counts = kept_counts(seed, 2, steps)
+    new = {counts[2, s] for s in range(1, steps + 1)} - {counts[1, s] for s in range(2, steps + 1)}
+    r = run_cli("--smoke", "--cores", 1, "--layerdrop", "dynamic", "--max-recompiles", 0,
+                "--steps-per-epoch", steps, "--seed", seed, "--report", tmp_path / "r.json",
+                "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    compilation = next(c for c in report["checks"] if c["name"] == "compilation")
+    assert compilation["passed"] is False
+    assert f"{len(new)} after warm-up (allowed 0)" in compilation["figure"]
+    assert report["checks"] == printed_checks(r.stdout)
+
+
+FIT_SCRIPT = r"""
+import sys, torch, train_tpu
+result = train_tpu.fit(cores=1, data="synthetic", epochs=2, steps_per_epoch=9, log_steps=4,
+                       out_dir=sys.argv[1])
+torch.save({"model": result.model.state_dict(), "history": result.history,
+            "epochs": result.epochs}, sys.argv[2])
+"""
+
+
+def test_fit_returns_the_trained_model_and_history_to_the_parent(tmp_path):
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
+    env.pop("CPU_NUM_DEVICES", None)
+    r = subprocess.run([sys.executable, "-c", FIT_SCRIPT, str(tmp_path / "run"),
+                        str(tmp_path / "result.pt")], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    for name, t in saved["model"].items():
+        assert torch.equal(result["model"][name], t), name
+    assert len(result["history"]) == 2 * 9  # every step of both epochs, in order
+    assert [(h["epoch"], h["step"]) for h in result["history"]][:3] == [(1, 1), (1, 2), (1, 3)]
+    assert [e["epoch"] for e in result["epochs"]] == [1, 2]
+    assert result["history"][-1]["loss"] < result["history"][0]["loss"]
+
+
+def test_artifacts_written_by_the_master(synthetic_run):
+    r, out = synthetic_run
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {line["kind"] for line in lines} == {"log", "epoch"}
+    history, epochs = tt.read_history(str(out))
+    assert len(history) == 234 and len(epochs) == 1  # 30,000 // 128 steps, each step's loss
+    png = (out / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert width > 100 and height > 100
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out / "metrics.png").std() > 0  # decodes, and is not blank
+    assert "\r" not in r.stdout  # no progress bar when stdout is not a terminal
+
+
+def test_progress_bar_draws_one_line_in_place(capsys):
+    bar = tt.ProgressBar()
+    bar.show(5, 10, "epoch 1 step 5/10 | loss 1.0000")
+    bar.close()
+    out = capsys.readouterr().out
+    assert out.startswith("\r[##########..........] epoch 1 step 5/10") and out.endswith("\n")
