@@ -621,7 +621,9 @@ def save_checkpoint(ckpt, out_dir, spmd, world):
         return save_spmd_checkpoint(ckpt, out_dir)
     path = os.path.join(out_dir, "checkpoint.pt")
     tmp = path + ".tmp"
-    xm.save(ckpt, tmp)  # every replica calls it; only the master writes
+    # Every replica calls xm.save (it moves its tensors to the host); only the global master
+    # writes, the same process that renames, so a pod's hosts never write one shared file.
+    xm.save(ckpt, tmp, master_only=True, global_master=True)
     if is_master():
         os.replace(tmp, path)
     if world > 1:
