@@ -36,9 +36,7 @@ def epochs_of(out_dir):
 
 
 def final_weights(out_dir):
-    kind, where = tt.find_checkpoint(str(out_dir))
-    ckpt = tt.load_file_checkpoint(where) if kind == "xm.save" else tt.spmd_to_file(where)
-    return ckpt
+    return tt.read_checkpoint(*tt.find_checkpoint(str(out_dir)))
 
 
 # ---- model and data (in process) -------------------------------------------------------------
@@ -186,6 +184,9 @@ def test_static_and_dynamic_compute_the_same_function():
     (["--layerdrop-prob", "1.5"], "--layerdrop-prob 1.5: must be in [0, 1]"),
     (["--epochs", "two"], "invalid int value"),
     (["--export", "x.pt"], "--export needs --resume"),
+    (["--smoke", "--report", "no/such/dir/r.json"], "does not exist"),
+    (["--smoke", "--resume", "."], "leave out --resume"),
+    (["--benchmark", "layerdrop", "--steps-per-epoch", "2"], "needs more than 2 steps"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert tt.main(argv) == 2
@@ -211,6 +212,38 @@ def test_missing_mnist_without_network_exits_2(tmp_path, capsys, monkeypatch):
     assert err.count("\n") == 1 and "--data-dir" in err and "--data synthetic" in err
 
 
+def test_fit_keywords_become_the_same_flags():
+    argv = tt.argv_from(cores=1, momentum=0, spmd=True, smoke=False, resume=None, data_dir="d")
+    assert argv == ["--cores", "1", "--momentum", "0", "--spmd", "--data-dir", "d"]
+    args = tt.parse_args(argv)
+    assert args.momentum == 0 and args.cores == 1 and args.spmd and args.data_dir == "d"
+
+
+def test_resume_from_a_run_directory_takes_the_newest_checkpoint(tmp_path):
+    (tmp_path / "checkpoint.pt").write_bytes(b"older")
+    newer = tmp_path / "checkpoint-spmd" / "epoch-0002"
+    newer.mkdir(parents=True)
+    (newer / ".metadata").write_bytes(b"newer")
+    os.utime(tmp_path / "checkpoint.pt", (1, 1))  # written long before the SPMD one
+    assert tt.find_checkpoint(str(tmp_path)) == ("spmd", str(newer))
+    os.utime(tmp_path / "checkpoint.pt", None)
+    os.utime(newer / ".metadata", (1, 1))
+    os.utime(newer, (1, 1))
+    assert tt.find_checkpoint(str(tmp_path)) == ("xm.save", str(tmp_path / "checkpoint.pt"))
+
+
+def test_history_survives_a_torn_line(tmp_path):
+    log = tt.RunLog(str(tmp_path))
+    log.write(kind="log", epoch=1, step=2, loss=1.0, losses=[2.0, 1.0])
+    log.write(kind="epoch", epoch=1, accuracy=50.0)
+    log.write(kind="log", epoch=2, step=1, loss=0.5, losses=[0.5])
+    with open(log.path, "a") as f:
+        f.write('{"kind": "log", "epo')  # a kill in the middle of a write
+    log.keep_epochs_before(2)
+    history, epochs = tt.read_history(str(tmp_path))
+    assert [h["loss"] for h in history] == [2.0, 1.0] and [e["epoch"] for e in epochs] == [1]
+
+
 def test_bad_flag_exits_2_from_the_command_line(tmp_path):
     r = run_cli("--batch-size", "0", cwd=tmp_path)
     assert r.returncode == 2
@@ -222,7 +255,7 @@ def test_damaged_checkpoints_exit_2(tmp_path, capsys):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     args = tt.parse_args(["--layerdrop", "static", "--data", "synthetic"])
     good = tmp_path / "layerdrop.pt"
-    torch.save(tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0), good)
+    torch.save(tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0, "CPU"), good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:3000])
     empty_dir = tmp_path / "empty"
@@ -412,12 +445,12 @@ def test_damaged_spmd_checkpoint_exits_2(tmp_path, capsys):
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     args = tt.parse_args(["--data", "synthetic"])
-    ckpt = tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0)
+    ckpt = tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0, "CPU")
     directory = tmp_path / "ckpt"
     with tt._quiet_dcp_warnings():
         dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(str(directory)))
-    (directory / "train_tpu.json").write_text(json.dumps({"config": ckpt["config"]}))
-    assert tt.inspect_checkpoint(str(directory), args) == ("spmd", str(directory))
+    (directory / "train_tpu.json").write_text(json.dumps({"config": ckpt["config"], "epoch": 2}))
+    assert tt.inspect_checkpoint(str(directory), args) == 2
     shard = next(p for p in directory.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:500])
     assert tt.main(["--spmd", "--resume", str(directory), "--out-dir", str(tmp_path / "o")]) == 2

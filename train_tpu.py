@@ -238,6 +238,14 @@ def parse_args(argv=None):
         raise UsageError("--export needs --resume PATH: the checkpoint to convert")
     if args.report is not None and not args.smoke:
         raise UsageError("--report writes the smoke verdict: add --smoke")
+    if args.smoke and args.resume:
+        raise UsageError("--smoke checks a fresh run: leave out --resume")
+    if args.benchmark and args.steps_per_epoch is not None and args.steps_per_epoch <= WARMUP_STEPS:
+        raise UsageError(f"--steps-per-epoch {args.steps_per_epoch}: the benchmark needs more "
+                         f"than {WARMUP_STEPS} steps (the first {WARMUP_STEPS} compile)")
+    for flag, path in (("--export", args.export), ("--report", args.report)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{flag} {path}: the folder {os.path.dirname(path)} does not exist")
     return args
 
 
@@ -245,7 +253,13 @@ def parse_args(argv=None):
 
 
 def is_master():
-    """The one place that decides who prints and who writes: global ordinal 0."""
+    """The one place that decides who prints and who writes: global ordinal 0.
+
+    Before the runtime starts (the parent process, --export) there is only us. Asking the
+    runtime would start it, and xmp.spawn cannot run after that.
+    """
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return True
     return xr.global_ordinal() == 0
 
 
@@ -274,16 +288,19 @@ def select_runtime():
 
 def check_cores(args, kind, available):
     """Returns the number of devices to use, or says why --cores cannot be honoured."""
+    cores = args.cores or available
     if args.spmd and kind == "CPU":
         # SPMD on the CPU emulates as many devices as asked; the runtime reads this at start.
-        cores = args.cores or available
         os.environ["CPU_NUM_DEVICES"] = str(cores)
         return cores
-    cores = args.cores or available
+    if args.spmd and cores != available:
+        raise UsageError(f"--spmd --cores {cores}: SPMD uses every device, and this machine has "
+                         f"{available} {kind} devices; leave out --cores")
+    limit = " or set CPU_NUM_DEVICES=N" if kind == "CPU" else ""
     if cores not in (1, available):
         raise UsageError(
-            f"--cores {cores}: this machine has {available} {kind} device(s); use --cores 1, "
-            f"--cores {available}, or limit the devices with {kind}_NUM_DEVICES=N")
+            f"--cores {cores}: this machine has {available} {kind} device(s); use --cores 1 "
+            f"or --cores {available}{limit}")
     if cores > 1 and kind == "CPU" and not args.spmd:
         # torch_xla runs the replicas of one CPU process as threads, and its collectives across
         # them hang (pytorch/xla issues 5005 and 9089): the gradient all-reduce never returns.
@@ -291,6 +308,38 @@ def check_cores(args, kind, available):
             f"--cores {cores} on the CPU: torch_xla's CPU collectives hang across replicas "
             "(pytorch/xla#5005); use --cores 1, or --spmd --cores N to shard over N CPU devices")
     return cores
+
+
+@dataclasses.dataclass
+class Topology:
+    """Who this process is in the run, as the data pipeline and the logs need it."""
+    device: torch.device
+    world: int  # data-parallel replicas that each load their own shard (1 under SPMD)
+    rank: int
+    devices: int  # devices that share one global batch (world under multi-core)
+    mesh: object = None  # the SPMD mesh, None in multi-core mode
+
+    @property
+    def spmd(self):
+        return self.mesh is not None
+
+    def loader(self, loader):
+        """MpDeviceLoader: overlaps the host-to-device copy with the step, and cuts the graph."""
+        if not self.spmd:
+            return pl.MpDeviceLoader(loader, self.device)
+        import torch_xla.distributed.spmd as xs
+
+        # Under SPMD the loader shards each batch as it copies it: the batch dimension is split
+        # over the mesh's "data" axis, one slice per device.
+        spec = {"image": xs.ShardingSpec(self.mesh, ("data", None, None, None)),
+                "label": xs.ShardingSpec(self.mesh, ("data",)),
+                "valid": xs.ShardingSpec(self.mesh, ("data",))}
+        return pl.MpDeviceLoader(loader, self.device, input_sharding=spec)
+
+    def reduce(self, totals):
+        if self.spmd:
+            return totals  # one program over the global batch: the sums are global already
+        return xm.all_reduce(xm.REDUCE_SUM, totals)
 
 
 class CompileCounter:
@@ -328,12 +377,16 @@ def cpu_fallback_ops():
             if name.startswith("aten::")}
 
 
+def format_fallbacks(ops):
+    return ", ".join(f"{name} x{count}" for name, count in ops.items()) or "none"
+
+
 def format_compiles(c, first_epoch):
-    fallbacks = ", ".join(f"{k} x{v}" for k, v in c["cpu_fallback_ops"].items()) or "none"
     warm = " (this epoch was the warm-up)" if first_epoch else ""
     return (f"compiles | this epoch {c['compiles_epoch']} | total {c['compiles_total']} | "
             f"{c['compile_seconds']:.1f} s compiling | recompiles after warm-up "
-            f"{c['recompiles_after_warmup']}{warm} | CPU fallback ops: {fallbacks}")
+            f"{c['recompiles_after_warmup']}{warm} | CPU fallback ops: "
+            f"{format_fallbacks(c['cpu_fallback_ops'])}")
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -584,9 +637,9 @@ def evaluate(model, batches, reduce_across_replicas=None):
     return loss_sum / count, 100.0 * correct / count, int(count)
 
 
-def evaluate_on_cpu(model_state, args, layerdrop):
-    """The same evaluation in eager PyTorch on the host: the reference for resume checks."""
-    model = ToyModel(layerdrop, args.layerdrop_prob)
+def evaluate_on_cpu(model_state, args):
+    """The same evaluation in eager PyTorch on the host: the reference for export checks."""
+    model = ToyModel(args.layerdrop, args.layerdrop_prob)
     model.load_state_dict(model_state)
     images, labels = load_split(args, train=False)
     loader = DataLoader(eval_shard(images, labels, 500, 1, 0), batch_size=500)
@@ -609,11 +662,11 @@ def evaluate_on_cpu(model_state, args, layerdrop):
 # one it is given and says so.
 
 
-def checkpoint_dict(model, optimizer, next_epoch, args, test_loss, accuracy):
-    config = {k: getattr(args, k) for k in RESUMED_SETTINGS}
+def checkpoint_dict(model, optimizer, next_epoch, args, test_loss, accuracy, device_kind):
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "epoch": next_epoch, "variant": variant(args.layerdrop), "config": config,
-            "test_loss": test_loss, "accuracy": accuracy}
+            "epoch": next_epoch, "variant": variant(args.layerdrop),
+            "config": {k: getattr(args, k) for k in RESUMED_SETTINGS},
+            "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind}
 
 
 def save_checkpoint(ckpt, out_dir, spmd, world):
@@ -654,63 +707,73 @@ def save_spmd_checkpoint(ckpt, out_dir):
 
 @contextlib.contextmanager
 def _quiet_dcp_warnings():
-    # Without torch.distributed initialised, DCP warns that it saves from one process: that
-    # is exactly the SPMD case (one process drives every device), so the warning is noise.
+    """Silences three DCP notices that say nothing about this use of it."""
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+        # No process group: DCP saves from one process, which is exactly the SPMD case.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # torch_xla's SPMD planners still use the older planner signature, and touch storages.
+        warnings.filterwarnings("ignore", message="The function definition for SavePlanner")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
 
 
 def find_checkpoint(path):
-    """('xm.save', file) or ('spmd', directory) for whatever --resume points at."""
+    """('xm.save', file) or ('spmd', directory) for whatever --resume points at.
+
+    A run directory converted from one format to the other holds both; the one written last is
+    the one further along, since every save after a conversion is in the new format.
+    """
     if os.path.isfile(path):
         return "xm.save", path
     if os.path.isfile(os.path.join(path, ".metadata")):
         return "spmd", path
-    epochs = sorted(d for d in os.listdir(path) if d.startswith("epoch-") and not d.endswith(".tmp")
-                    and os.path.isfile(os.path.join(path, d, ".metadata")))
-    if epochs:
-        return "spmd", os.path.join(path, epochs[-1])
-    for name in ("checkpoint.pt", "checkpoint-spmd"):  # a run directory
-        if os.path.exists(os.path.join(path, name)):
-            return find_checkpoint(os.path.join(path, name))
-    raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
-                     "nor an SPMD directory with a .metadata file)")
+    found = []
+    for root in (path, os.path.join(path, "checkpoint-spmd")):
+        if os.path.isdir(root):
+            found += [("spmd", os.path.join(root, d)) for d in os.listdir(root)
+                      if d.startswith("epoch-") and not d.endswith(".tmp")
+                      and os.path.isfile(os.path.join(root, d, ".metadata"))]
+    if os.path.isfile(os.path.join(path, "checkpoint.pt")):
+        found.append(("xm.save", os.path.join(path, "checkpoint.pt")))
+    if not found:
+        raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
+                         "nor an SPMD directory with a .metadata file)")
+    return max(found, key=lambda kind_where: os.path.getmtime(kind_where[1]))
 
 
 def inspect_checkpoint(path, args):
     """Checks --resume in the parent, before any device starts: fail fast, with one line.
 
-    Returns (kind, where). A file is opened lazily (mmap) so a large one is not read twice; an
-    SPMD directory is checked against its own metadata: every shard file it names must exist
-    and be long enough, so an interrupted copy is caught here and not halfway through loading.
+    Returns the epoch it continues at. A file is opened lazily (mmap), so a large one is not
+    read twice; an SPMD directory is checked against its own metadata: every shard file it
+    names must exist and be long enough, so an interrupted copy is caught here, not halfway
+    through loading.
     """
     kind, where = find_checkpoint(path)
     if kind == "xm.save":
-        ckpt = load_file_checkpoint(where, mmap=True)
-        apply_saved_settings(ckpt, args)
-        check_variant(ckpt, args, where)
-        return kind, where
-    metadata = read_spmd_metadata(where)
-    sizes = {}
-    for info in metadata.storage_data.values():
-        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
-    for name, needed in sizes.items():
-        file = os.path.join(where, name)
-        if not os.path.isfile(file) or os.path.getsize(file) < needed:
-            raise UsageError(f"--resume {where}: shard file {name} is missing or truncated; the "
+        plain = load_file_checkpoint(where, mmap=True)
+    else:
+        metadata = read_spmd_metadata(where)
+        sizes = {}
+        for info in metadata.storage_data.values():
+            end = info.offset + info.length
+            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+        for name, needed in sizes.items():
+            file = os.path.join(where, name)
+            if not os.path.isfile(file) or os.path.getsize(file) < needed:
+                raise UsageError(f"--resume {where}: shard file {name} is missing or truncated; "
+                                 "the checkpoint is incomplete")
+        try:
+            with open(os.path.join(where, "train_tpu.json")) as f:
+                plain = json.load(f)
+        except (OSError, ValueError):
+            raise UsageError(f"--resume {where}: train_tpu.json is missing or damaged; the "
                              "checkpoint is incomplete")
-    try:
-        with open(os.path.join(where, "train_tpu.json")) as f:
-            apply_saved_settings(json.load(f), args)
-    except (OSError, ValueError):
-        raise UsageError(f"--resume {where}: train_tpu.json is missing or damaged; the "
-                         "checkpoint is incomplete")
-    have = "toy-layerdrop" if "model.fc2.weight" in metadata.state_dict_metadata else "toy"
-    check_variant({"variant": have}, args, where)
-    return kind, where
+    apply_saved_settings(plain, args)
+    check_variant(plain, args, where)
+    return plain["epoch"]
 
 
 def apply_saved_settings(ckpt, args):
@@ -722,6 +785,14 @@ def apply_saved_settings(ckpt, args):
             taken.append(f"--{name.replace('_', '-')} {value}")
     if taken:
         print(f"resume | from the checkpoint: {', '.join(taken)} (flags given now take precedence)")
+
+
+def check_variant(ckpt, args, where):
+    have, want = ckpt.get("variant", "toy"), variant(args.layerdrop)
+    if have != want:
+        flag = "--layerdrop off" if have == "toy" else "--layerdrop dynamic or static"
+        raise UsageError(f"--resume {where}: the checkpoint is for model variant {have!r}, this "
+                         f"run builds {want!r}; resume it with {flag}")
 
 
 def read_spmd_metadata(directory):
@@ -746,20 +817,23 @@ def load_file_checkpoint(path, mmap=False):
     return ckpt
 
 
-def spmd_to_file(directory):
-    """An SPMD checkpoint directory, read on the host as the same dict torch.load would give."""
+def read_checkpoint(kind, where):
+    """Either format, read on the host as the one dict torch.load gives for a file."""
+    if kind == "xm.save":
+        return load_file_checkpoint(where)
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    tmp = os.path.join(directory, "..", f".export-{os.getpid()}.pt")
-    read_spmd_metadata(directory)
+    read_spmd_metadata(where)
+    tmp = os.path.join(where, "..", f".read-{os.getpid()}.pt")
     try:
         with _quiet_dcp_warnings():
-            dcp_to_torch_save(directory, tmp)
+            dcp_to_torch_save(where, tmp)
         ckpt = load_file_checkpoint(tmp)
-    except UsageError:
-        raise
-    except Exception as e:
-        raise UsageError(f"--resume {directory}: cannot read the SPMD checkpoint "
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        if isinstance(e, UsageError):
+            raise
+        raise UsageError(f"--resume {where}: cannot read the SPMD checkpoint "
                          f"({type(e).__name__}); it may be incomplete or damaged")
     finally:
         if os.path.exists(tmp):
@@ -770,27 +844,18 @@ def spmd_to_file(directory):
     return ckpt
 
 
-def check_variant(ckpt, args, where):
-    have, want = ckpt.get("variant", "toy"), variant(args.layerdrop)
-    if have != want:
-        flag = "--layerdrop off" if have == "toy" else "--layerdrop dynamic or static"
-        raise UsageError(f"--resume {where}: the checkpoint is for model variant {have!r}, this "
-                         f"run builds {want!r}; resume it with {flag}")
-
-
 def load_checkpoint_into(model, optimizer, path, args, spmd):
     """Loads --resume into the model and optimizer (already on the device).
 
-    Returns (checkpoint dict, converted): converted is True when the file's format is not this
-    mode's own (an xm.save file under --spmd, or an SPMD directory in multi-core mode).
+    Returns (checkpoint dict, converted): converted is True when the checkpoint's format is not
+    this mode's own (an xm.save file under --spmd, or an SPMD directory in multi-core mode).
     """
     kind, where = find_checkpoint(path)
     if kind == "spmd" and spmd:
         ckpt = load_spmd_in_place(model, optimizer, where, args)
         print0(f"resume | spmd checkpoint {where}: loaded shard by shard")
     else:
-        ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
-        check_variant(ckpt, args, where)
+        ckpt = read_checkpoint(kind, where)
         model.load_state_dict(ckpt["model"])  # copies onto the device, keeping placement
         optimizer.load_state_dict(ckpt["optimizer"])  # moves the momentum to the params' device
         how = ("placed on the devices and replicated; later saves use the SPMD format"
@@ -806,34 +871,39 @@ def load_spmd_in_place(model, optimizer, directory, args):
     # DCP loads into tensors that already exist. A fresh SGD has no momentum buffers yet, so
     # make zero ones instead of taking a dummy optimizer step (a dummy step moves the weights).
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    ckpt = checkpoint_dict(model, optimizer, 0, args, 0.0, 0.0)
+        if group["momentum"] != 0:  # without momentum SGD keeps no state at all
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    ckpt = checkpoint_dict(model, optimizer, 0, args, 0.0, 0.0, "")
     try:
         with _quiet_dcp_warnings():
             dcp.load(ckpt, storage_reader=dcp.FileSystemReader(directory),
                      planner=xc.SPMDLoadPlanner())
-    except Exception as e:
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException: a BaseException
         raise UsageError(f"--resume {directory}: cannot load the SPMD checkpoint "
-                         f"({type(e).__name__}); it may be incomplete or damaged")
+                         f"({type(e).__name__}); it may be incomplete, damaged, or saved with "
+                         "other optimizer settings")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     return ckpt
 
 
-def resume_tolerance(device_kind):
+def resume_tolerance(*device_kinds):
     # On the CPU both evaluations run in float32 and agree to rounding. TPU matmuls default
-    # to bfloat16 passes, so a figure saved on a TPU can differ from a reload more than that.
-    return 1e-5 if device_kind == "CPU" else 2e-2
+    # to bfloat16 passes, so a figure measured on a TPU can differ from a reload more than that.
+    return 1e-5 if set(device_kinds) <= {"CPU"} else 2e-2
 
 
 def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
-    """The proof a conversion kept the model: the saved test loss, reproduced."""
-    saved = ckpt.get("config", {})
-    if "test_loss" not in ckpt or (saved.get("data"), saved.get("data_dir")) != (args.data, args.data_dir):
+    """The proof a conversion kept the model: the test loss saved with it, reproduced."""
+    config = ckpt.get("config", {})
+    if ckpt.get("test_loss") is None or ckpt.get("accuracy") is None:
+        print0(f"{label} | skipped: the checkpoint carries no test loss to compare with")
+        return
+    if (config.get("data"), config.get("data_dir")) != (args.data, args.data_dir):
         print0(f"{label} | skipped: the checkpoint was evaluated on other data")
         return
-    tol = resume_tolerance(device_kind)
+    tol = resume_tolerance(device_kind, ckpt.get("measured_on", device_kind))
     diff = abs(loss - ckpt["test_loss"])
     verdict = "equal" if diff <= tol else "DIFFERENT"
     print0(f"{label} | test loss saved {ckpt['test_loss']:.7f} vs now {loss:.7f} | "
@@ -845,16 +915,22 @@ def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
 
 
 def export_checkpoint(args, device_kind):
-    """--resume X --export FILE: one ordinary torch.save file, proven to compute the same."""
+    """--resume X --export FILE: one ordinary torch.save file, proven to compute the same.
+
+    The file is checked under a temporary name and only then takes FILE's place.
+    """
     kind, where = find_checkpoint(args.resume)
-    ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
+    ckpt = read_checkpoint(kind, where)
     tmp = args.export + ".tmp"
     torch.save(ckpt, tmp)
+    try:
+        loss, accuracy, _ = evaluate_on_cpu(load_file_checkpoint(tmp)["model"], args)
+        compare_with_saved(ckpt, loss, accuracy, args, device_kind, "export check")
+    except BaseException:
+        os.remove(tmp)
+        raise
     os.replace(tmp, args.export)
     print(f"export | {kind} checkpoint {where} -> {args.export} (torch.save; torch.load reads it)")
-    again = load_file_checkpoint(args.export)
-    loss, accuracy, _ = evaluate_on_cpu(again["model"], args, args.layerdrop)
-    compare_with_saved(ckpt, loss, accuracy, args, device_kind, "export check")
 
 
 # ---- logging and run artifacts (master only) -------------------------------------------------
@@ -863,16 +939,20 @@ def export_checkpoint(args, device_kind):
 class RunLog:
     """metrics.jsonl in --out-dir: one line per logged step and one per epoch, master only."""
 
-    def __init__(self, out_dir, start_epoch):
+    def __init__(self, out_dir):
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        if is_master() and os.path.exists(self.path):
-            # A resumed run continues the history from its checkpoint's epoch: lines of epochs
-            # that were cut short by the interruption are dropped, not repeated.
-            with open(self.path) as f:
-                kept = [line for line in f if json.loads(line)["epoch"] < start_epoch]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
+
+    def keep_epochs_before(self, epoch):
+        """A resumed run continues its history: lines of the epochs it is about to run again
+        (cut short by the interruption) are dropped, and so is a line torn by a kill. Runs in
+        the parent, before any replica starts, so no replica can stall on a bad file."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if _parse(line) and _parse(line)["epoch"] < epoch]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
 
     def write(self, **record):
         if is_master():
@@ -887,8 +967,8 @@ class EpochMeter:
     step's graph has been launched: the hot loop itself never waits for the device.
     """
 
-    def __init__(self, epoch, steps, global_batch, world, log, progress, quiet=False):
-        self.epoch, self.steps, self.global_batch, self.world = epoch, steps, global_batch, world
+    def __init__(self, epoch, steps, global_batch, devices, log, progress, quiet=False):
+        self.epoch, self.steps, self.global_batch, self.world = epoch, steps, global_batch, devices
         self.log, self.progress, self.quiet = log, progress, quiet
         self.times = {}  # step -> when its loss reached the host
         self.losses = []  # this replica's loss at every step, in order
@@ -908,7 +988,7 @@ class EpochMeter:
         self.log.write(kind="log", epoch=self.epoch, step=step, loss=values[-1], losses=values,
                        samples_per_s=rate)
         speed = "warm-up" if rate is None else (
-            f"{rate:,.0f} samples/s ({rate / self.world:,.0f} per replica)")
+            f"{rate:,.0f} samples/s ({rate / self.world:,.0f} per device)")
         line = f"epoch {self.epoch} step {step}/{self.steps} | loss {values[-1]:.4f} | {speed}"
         if self.progress:
             self.progress.show(step, self.steps, line)
@@ -942,8 +1022,16 @@ class ProgressBar:
 def write_plot(out_dir):
     """Training loss per step and test accuracy per epoch, as OUT/metrics.png (master only).
 
-    Figures drawn in spawned replicas never reach a screen, so the master writes a file.
+    Figures drawn in spawned replicas never reach a screen, so the master writes a file. A
+    plot that fails is reported, not raised: the other replicas would wait for the master.
     """
+    try:
+        _draw_plot(out_dir)
+    except Exception as e:
+        print(f"plot | not written: {type(e).__name__}: {e}")
+
+
+def _draw_plot(out_dir):
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a TPU VM
@@ -962,14 +1050,20 @@ def write_plot(out_dir):
     os.replace(path + ".tmp.png", path)
 
 
+def _parse(line):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
 def read_history(out_dir):
     """(per-step records, per-epoch records) from OUT/metrics.jsonl."""
     steps, epochs = [], []
     if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
         return steps, epochs
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
+        for r in filter(None, map(_parse, f)):
             if r["kind"] == "log":
                 first = r["step"] - len(r["losses"]) + 1
                 steps += [dict(epoch=r["epoch"], step=first + i, loss=v)
@@ -1077,7 +1171,7 @@ def check_numerics(verdict, model, images, labels, topo, device_kind, args):
 
 def check_checkpoint(verdict, model, optimizer, path):
     """What was saved, read back from disk, equals what is in memory, tensor for tensor."""
-    ckpt = load_file_checkpoint(path) if os.path.isfile(path) else spmd_to_file(path)
+    ckpt = read_checkpoint(*find_checkpoint(path))
     live = {f"model.{k}": v.cpu() for k, v in model.state_dict().items()}
     for i, state in optimizer.state_dict()["state"].items():
         live[f"momentum.{i}"] = state["momentum_buffer"].cpu()
@@ -1089,50 +1183,38 @@ def check_checkpoint(verdict, model, optimizer, path):
                 f"saved, reloaded from {path}: {len(same)}/{len(live)} tensors identical")
 
 
-def finish_smoke(verdict, args):
-    """Prints the table and writes the JSON (master only)."""
-    print0(verdict.table())
-    if is_master():
+def finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate, accuracy,
+                   path):
+    """The checks that need the finished run; then the table, the JSON, and the exit code."""
+    total, seconds = CompileCounter.read()
+    recompiles = total - counter.at_warmup_end if counter.at_warmup_end is not None else 0
+    allowed = args.max_recompiles or 0
+    fallbacks = cpu_fallback_ops()
+    verdict.add("compilation", recompiles <= allowed and not fallbacks,
+                f"{total} compilations ({seconds:.1f} s), {recompiles} after warm-up "
+                f"(allowed {allowed}), CPU fallback ops: {format_fallbacks(fallbacks)}")
+    verdict.add("throughput", bool(rate),
+                f"{rate or 0:,.0f} samples/s global, {(rate or 0) / topo.devices:,.0f} per "
+                f"device (last epoch, its first {WARMUP_STEPS} steps left out)")
+    k = max(1, len(losses) // 4)
+    before, after = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (0.0, 0.0)
+    verdict.add("learning", after < before and (accuracy or 0.0) >= args.target_accuracy,
+                f"loss {before:.3f} -> {after:.3f} (mean of first and last {k} steps), "
+                f"test accuracy {accuracy or 0.0:.2f}% (target {args.target_accuracy:g}%)")
+    if is_master():  # reads files the master wrote; no collectives in here
+        check_checkpoint(verdict, model, optimizer, path)
+        print(verdict.table(), flush=True)
         report = json.dumps(verdict.to_json(args), indent=1)
-        for path in filter(None, (os.path.join(args.out_dir, "verdict.json"), args.report)):
-            with open(path + ".tmp", "w") as f:
+        for target in filter(None, (os.path.join(args.out_dir, "verdict.json"), args.report)):
+            with open(target + ".tmp", "w") as f:
                 f.write(report)
-            os.replace(path + ".tmp", path)
+            os.replace(target + ".tmp", target)
+    if not verdict.passed:
+        failed = ", ".join(c["name"] for c in verdict.checks if not c["passed"])
+        raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
 
 
 # ---- the per-replica training function -------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Topology:
-    """Who this process is in the run, as the data pipeline and the logs need it."""
-    device: torch.device
-    world: int  # data-parallel replicas that each load their own shard (1 under SPMD)
-    rank: int
-    devices: int  # devices that share one global batch
-    mesh: object = None  # the SPMD mesh, None in multi-core mode
-
-    @property
-    def spmd(self):
-        return self.mesh is not None
-
-    def loader(self, loader):
-        """MpDeviceLoader: overlaps the host-to-device copy with the step, and cuts the graph."""
-        if not self.spmd:
-            return pl.MpDeviceLoader(loader, self.device)
-        import torch_xla.distributed.spmd as xs
-
-        # Under SPMD the loader shards each batch as it copies it: the batch dimension is split
-        # over the mesh's "data" axis, one slice per device.
-        spec = {"image": xs.ShardingSpec(self.mesh, ("data", None, None, None)),
-                "label": xs.ShardingSpec(self.mesh, ("data",)),
-                "valid": xs.ShardingSpec(self.mesh, ("data",))}
-        return pl.MpDeviceLoader(loader, self.device, input_sharding=spec)
-
-    def reduce(self, totals):
-        if self.spmd:
-            return totals  # one program over the global batch: the sums are global already
-        return xm.all_reduce(xm.REDUCE_SUM, totals)
 
 
 def train_epoch(model, optimizer, loader, args, epoch, topo, meter):
@@ -1155,31 +1237,30 @@ def run_training(args, device_kind, mesh=None):
         topo = Topology(torch_xla.device(), xr.world_size(), xr.global_ordinal(), xr.world_size())
     else:
         topo = Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
-    per_load = args.batch_size * (topo.devices if topo.spmd else 1)
+    # Each replica loads its own shard; under SPMD the one process loads the global batch.
+    load_batch = args.batch_size * (topo.devices if topo.spmd else 1)
     global_batch = args.batch_size * topo.devices
     if args.matmul_precision != "default":
         from torch_xla import backends
 
         backends.set_mat_mul_precision(args.matmul_precision)
 
-    torch.manual_seed(args.seed)  # the same initial weights on every replica
+    torch.manual_seed(args.seed)
     model = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
+    if not topo.spmd and topo.world > 1:
+        # Seeding is not enough on TPU v2/v3: two devices per chip run as threads of one
+        # process, sharing the global RNG. Copy the master's initial weights to every replica.
+        xm.broadcast_master_param(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
-    start_epoch, ckpt, converted = 1, None, False
-    if args.resume:
-        ckpt, converted = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
-        start_epoch = ckpt["epoch"]
-
     images, labels = load_split(args, train=True)
-    loader, sampler = train_loader(images, labels, per_load, topo.world, topo.rank, args.seed,
+    loader, sampler = train_loader(images, labels, load_batch, topo.world, topo.rank, args.seed,
                                    args.num_workers, args.steps_per_epoch)
-    test = DataLoader(eval_shard(*load_split(args, train=False), per_load, topo.world, topo.rank),
-                      batch_size=per_load)
+    test = DataLoader(eval_shard(*load_split(args, train=False), load_batch, topo.world,
+                                 topo.rank), batch_size=load_batch)
     if len(loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size}: a global batch of {global_batch} is "
                          f"larger than the {len(images)} training samples")
-
     print0(f"{device_kind} | {'spmd mesh' if topo.spmd else 'world'} {topo.devices} "
            f"{'devices' if topo.spmd else 'replicas'} | global batch {global_batch:,} "
            f"({args.batch_size} per core) | {len(loader)} steps per epoch | lr {args.lr} "
@@ -1190,26 +1271,13 @@ def run_training(args, device_kind, mesh=None):
     if verdict:
         check_devices(verdict, topo, args, device_kind)
         check_collectives(verdict, topo)
-        check_numerics(verdict, model, images[:per_load], labels[:per_load], topo, device_kind,
-                       args)
+        check_numerics(verdict, model, images[:load_batch], labels[:load_batch], topo,
+                       device_kind, args)
+    start_epoch, accuracy = 1, None
+    if args.resume:
+        start_epoch, accuracy = resume(model, optimizer, test, topo, args, device_kind)
 
-    log = RunLog(args.out_dir, start_epoch)
-    if ckpt is not None:
-        loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
-        compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
-        if converted:
-            # Write the conversion now, in this mode's format, before any training changes it.
-            path = save_checkpoint(checkpoint_dict(model, optimizer, start_epoch, args, loss,
-                                                   accuracy), args.out_dir, topo.spmd, topo.world)
-            print0(f"resume | converted checkpoint saved as {path}")
-        if start_epoch > args.epochs:
-            print0(f"resume | nothing to train: the checkpoint finished epoch {start_epoch - 1}"
-                   f", --epochs is {args.epochs}")
-        else:
-            print0(f"resume | continuing at epoch {start_epoch} of {args.epochs}")
-
-    counter = CompileCounter()
-    accuracy = ckpt.get("accuracy") if ckpt else None
+    log, counter = RunLog(args.out_dir), CompileCounter()
     losses, rate, path = [], None, None
     for epoch in range(start_epoch, args.epochs + 1):
         first = epoch == start_epoch
@@ -1223,7 +1291,8 @@ def run_training(args, device_kind, mesh=None):
 
         test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
         path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
-                                               accuracy), args.out_dir, topo.spmd, topo.world)
+                                               accuracy, device_kind),
+                               args.out_dir, topo.spmd, topo.world)
         compiles = counter.end_epoch(first)
         rate = meter.samples_per_s()
         log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
@@ -1244,36 +1313,38 @@ def run_training(args, device_kind, mesh=None):
                 "step (see --metrics-debug)", EXIT_RECOMPILES)
 
     total, seconds = CompileCounter.read()
-    print0(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}% | compiled {total} "
-           f"graphs in {seconds:.1f} s | out {args.out_dir}")
+    shown = "n/a" if accuracy is None else f"{accuracy:.2f}%"
+    print0(f"done | {args.epochs} epochs | test accuracy {shown} | compiled {total} graphs in "
+           f"{seconds:.1f} s | out {args.out_dir}")
     if verdict:
-        recompiles = total - counter.at_warmup_end if counter.at_warmup_end is not None else 0
-        allowed = args.max_recompiles or 0
-        fallbacks = cpu_fallback_ops()
-        verdict.add("compilation", recompiles <= allowed and not fallbacks,
-                    f"{total} compilations ({seconds:.1f} s), {recompiles} after warm-up "
-                    f"(allowed {allowed}), CPU fallback ops: "
-                    f"{', '.join(f'{k} x{v}' for k, v in fallbacks.items()) or 'none'}")
-        verdict.add("throughput", bool(rate),
-                    f"{rate or 0:,.0f} samples/s global, {(rate or 0) / topo.devices:,.0f} per "
-                    f"device (last epoch, its first {WARMUP_STEPS} steps left out)")
-        k = max(1, len(losses) // 4)
-        before, after = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (0, 0)
-        verdict.add("learning", after < before and (accuracy or 0) >= args.target_accuracy,
-                    f"loss {before:.3f} -> {after:.3f} (mean of first and last {k} steps), "
-                    f"test accuracy {accuracy or 0:.2f}% (target {args.target_accuracy:g}%)")
-        if path and is_master():
-            check_checkpoint(verdict, model, optimizer, path)
-        elif is_master():
-            verdict.add("checkpoint", False, "no epoch ran, so nothing was saved")
-        finish_smoke(verdict, args)
-        if not verdict.passed:
-            failed = ", ".join(c["name"] for c in verdict.checks if not c["passed"])
-            raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
-        return
-    if accuracy is not None and accuracy < args.target_accuracy:
-        raise TrainingFailed(f"test accuracy {accuracy:.2f}% is below --target-accuracy "
+        finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate, accuracy,
+                       path)
+    elif (accuracy or 0.0) < args.target_accuracy:
+        raise TrainingFailed(f"test accuracy {shown} is below --target-accuracy "
                              f"{args.target_accuracy}", EXIT_BELOW_TARGET)
+
+
+def resume(model, optimizer, test, topo, args, device_kind):
+    """Loads --resume, proves it still computes its saved test loss, converts it if needed.
+
+    Returns (the epoch to start at, the checkpoint's accuracy).
+    """
+    ckpt, converted = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
+    start_epoch = ckpt["epoch"]
+    loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
+    compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
+    if converted:
+        # Write the conversion now, in this mode's format, before any training changes it.
+        path = save_checkpoint(checkpoint_dict(model, optimizer, start_epoch, args, loss,
+                                               accuracy, device_kind),
+                               args.out_dir, topo.spmd, topo.world)
+        print0(f"resume | converted checkpoint saved as {path}")
+    if start_epoch > args.epochs:
+        print0(f"resume | nothing to train: the checkpoint finished epoch {start_epoch - 1}, "
+               f"--epochs is {args.epochs}")
+    else:
+        print0(f"resume | continuing at epoch {start_epoch} of {args.epochs}")
+    return start_epoch, accuracy
 
 
 def _mp_fn(index, args, device_kind):
@@ -1346,7 +1417,7 @@ class Result:
     verdict: dict = None  # with --smoke: the same verdict as the printed table
 
 
-def prepare_out_dir(args):
+def prepare_out_dir(args, resume_epoch):
     """Resolves --out-dir; a fresh run never mixes its history with an earlier run's."""
     if args.out_dir is None and args.resume:
         kind, where = find_checkpoint(args.resume)
@@ -1367,14 +1438,15 @@ def prepare_out_dir(args):
                 os.path.exists(target) and os.remove(target))
         print(f"out | --overwrite: deleted the earlier run in {args.out_dir}, starting clean")
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.resume:
+        RunLog(args.out_dir).keep_epochs_before(resume_epoch)
 
 
 def run(argv=None):
     """Parses argv and does the work. Returns the args; raises UsageError or TrainingFailed."""
     args = parse_args(argv)
     device_kind, available = select_runtime()
-    if args.resume:
-        inspect_checkpoint(args.resume, args)  # may fill in settings from the checkpoint
+    resume_epoch = inspect_checkpoint(args.resume, args) if args.resume else 1  # settings too
     prepare_data(args)
     if args.export:
         export_checkpoint(args, device_kind)
@@ -1383,7 +1455,7 @@ def run(argv=None):
         benchmark_layerdrop(args, device_kind)
         return args
     cores = check_cores(args, device_kind, available)
-    prepare_out_dir(args)
+    prepare_out_dir(args, resume_epoch)
     if args.spmd:
         run_spmd(args, device_kind)
     else:
@@ -1395,8 +1467,7 @@ def run(argv=None):
 
 def collect_result(args):
     """Reads back what the master wrote: the replicas' own objects ended with them."""
-    kind, where = find_checkpoint(args.out_dir)
-    ckpt = load_file_checkpoint(where) if kind == "xm.save" else spmd_to_file(where)
+    ckpt = read_checkpoint(*find_checkpoint(args.out_dir))
     model = ToyModel(args.layerdrop, args.layerdrop_prob)
     model.load_state_dict(ckpt["model"])
     history, epochs = read_history(args.out_dir)
@@ -1413,14 +1484,19 @@ def fit(**flags):
     Runs to the end and returns a Result; raises UsageError or TrainingFailed where main()
     would exit non-zero.
     """
+    return collect_result(run(argv_from(**flags)))
+
+
+def argv_from(**flags):
+    """fit()'s keywords as command-line flags: True is a switch, False and None are left out."""
     argv = []
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
-        elif value not in (False, None):
+        elif value is not False and value is not None:  # 0 is a value: momentum=0
             argv += [flag, str(value)]
-    return collect_result(run(argv))
+    return argv
 
 
 def main(argv=None):
