@@ -180,6 +180,7 @@ def test_static_and_dynamic_compute_the_same_function():
 @pytest.mark.parametrize("argv, message", [
     (["--cores", "0"], "--cores 0: must be at least 1"),
     (["--cores", "64", "--data", "synthetic"], "this machine has 1 CPU device(s)"),
+    (["--spmd", "--cores", "0"], "--cores 0: must be at least 1"),
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--layerdrop-prob", "1.5"], "--layerdrop-prob 1.5: must be in [0, 1]"),
     (["--epochs", "two"], "invalid int value"),
@@ -575,8 +576,10 @@ FIT_SCRIPT = r"""
 import sys, torch, train_tpu
 result = train_tpu.fit(cores=1, data="synthetic", epochs=2, steps_per_epoch=9, log_steps=4,
                        out_dir=sys.argv[1])
+smoke = train_tpu.fit(smoke=True, cores=1, steps_per_epoch=5, target_accuracy=101,
+                      out_dir=sys.argv[1] + "-smoke")
 torch.save({"model": result.model.state_dict(), "history": result.history,
-            "epochs": result.epochs}, sys.argv[2])
+            "epochs": result.epochs, "smoke": smoke.verdict}, sys.argv[2])
 """
 
 
@@ -595,6 +598,9 @@ def test_fit_returns_the_trained_model_and_history_to_the_parent(tmp_path):
     assert [(h["epoch"], h["step"]) for h in result["history"]][:3] == [(1, 1), (1, 2), (1, 3)]
     assert [e["epoch"] for e in result["epochs"]] == [1, 2]
     assert result["history"][-1]["loss"] < result["history"][0]["loss"]
+    # A failed smoke verdict comes back to the caller instead of being raised.
+    assert result["smoke"]["passed"] is False
+    assert [c["name"] for c in result["smoke"]["checks"] if not c["passed"]] == ["learning"]
 
 
 def test_artifacts_written_by_the_master(synthetic_run):
