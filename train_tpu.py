@@ -42,8 +42,9 @@ Runbook (each command, then what you should see; README.md has the same with rea
         --max-recompiles 0 --epochs 2
       -> exit 0: the drop decision lives on the device, so one graph serves every step.
 
-Exit codes: 0 done, 1 a smoke check failed, 2 bad input, 3 too many recompiles, 4 a resumed
-checkpoint does not reproduce its saved test loss, 21 below --target-accuracy.
+Exit codes: 0 done, 2 bad input, 3 too many recompiles, 4 a resumed checkpoint does not
+reproduce its saved test loss, 5 a smoke check failed, 21 below --target-accuracy (1 is left to
+Python: an unexpected error, with its traceback).
 """
 
 import argparse
@@ -57,6 +58,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -84,7 +86,7 @@ WARMUP_STEPS = 2  # steps per epoch left out of samples/s: step 1 and 2 compile 
 SMOKE_PRESET = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10,
                     target_accuracy=90.0)
 
-EXIT_SMOKE_FAILED, EXIT_BAD_INPUT, EXIT_RECOMPILES, EXIT_RESUME_MISMATCH = 1, 2, 3, 4
+EXIT_BAD_INPUT, EXIT_RECOMPILES, EXIT_RESUME_MISMATCH, EXIT_SMOKE_FAILED = 2, 3, 4, 5
 EXIT_BELOW_TARGET = 21  # as pytorch/xla's test_train_mp_mnist.py
 
 
@@ -382,6 +384,8 @@ def format_fallbacks(ops):
 
 
 def format_compiles(c, first_epoch):
+    """The four figures: this epoch's (or, at the end, the last epoch's) compilations, the
+    total, the seconds spent compiling, and the recompiles after warm-up; then the fallbacks."""
     warm = " (this epoch was the warm-up)" if first_epoch else ""
     return (f"compiles | this epoch {c['compiles_epoch']} | total {c['compiles_total']} | "
             f"{c['compile_seconds']:.1f} s compiling | recompiles after warm-up "
@@ -722,8 +726,8 @@ def _quiet_dcp_warnings():
 def find_checkpoint(path):
     """('xm.save', file) or ('spmd', directory) for whatever --resume points at.
 
-    A run directory converted from one format to the other holds both; the one written last is
-    the one further along, since every save after a conversion is in the new format.
+    A run directory converted from one format to the other holds both: the one further along
+    (its saved epoch, then the time it was written) is the one to continue.
     """
     if os.path.isfile(path):
         return "xm.save", path
@@ -740,7 +744,19 @@ def find_checkpoint(path):
     if not found:
         raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
                          "nor an SPMD directory with a .metadata file)")
-    return max(found, key=lambda kind_where: os.path.getmtime(kind_where[1]))
+    return max(found, key=lambda kind_where: (_saved_epoch(*kind_where),
+                                              os.path.getmtime(kind_where[1])))
+
+
+def _saved_epoch(kind, where):
+    """The epoch a checkpoint continues at, read cheaply; -1 if it cannot be read."""
+    try:
+        if kind == "xm.save":
+            return load_file_checkpoint(where, mmap=True)["epoch"]
+        with open(os.path.join(where, "train_tpu.json")) as f:
+            return json.load(f)["epoch"]
+    except (UsageError, OSError, ValueError, KeyError):
+        return -1
 
 
 def inspect_checkpoint(path, args):
@@ -825,7 +841,8 @@ def read_checkpoint(kind, where):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     read_spmd_metadata(where)
-    tmp = os.path.join(where, "..", f".read-{os.getpid()}.pt")
+    handle, tmp = tempfile.mkstemp(suffix=".pt")  # not beside the checkpoint: it may be read-only
+    os.close(handle)
     try:
         with _quiet_dcp_warnings():
             dcp_to_torch_save(where, tmp)
@@ -914,7 +931,7 @@ def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
                              f"was saved at {ckpt['test_loss']:.7f}", EXIT_RESUME_MISMATCH)
 
 
-def export_checkpoint(args, device_kind):
+def export_checkpoint(args):
     """--resume X --export FILE: one ordinary torch.save file, proven to compute the same.
 
     The file is checked under a temporary name and only then takes FILE's place.
@@ -925,7 +942,7 @@ def export_checkpoint(args, device_kind):
     torch.save(ckpt, tmp)
     try:
         loss, accuracy, _ = evaluate_on_cpu(load_file_checkpoint(tmp)["model"], args)
-        compare_with_saved(ckpt, loss, accuracy, args, device_kind, "export check")
+        compare_with_saved(ckpt, loss, accuracy, args, "CPU", "export check")
     except BaseException:
         os.remove(tmp)
         raise
@@ -967,8 +984,9 @@ class EpochMeter:
     step's graph has been launched: the hot loop itself never waits for the device.
     """
 
-    def __init__(self, epoch, steps, global_batch, devices, log, progress, quiet=False):
-        self.epoch, self.steps, self.global_batch, self.world = epoch, steps, global_batch, devices
+    def __init__(self, epoch, steps, global_batch, topo, log, progress, quiet=False):
+        self.epoch, self.steps, self.global_batch = epoch, steps, global_batch
+        self.devices, self.unit = topo.devices, "device" if topo.spmd else "replica"
         self.log, self.progress, self.quiet = log, progress, quiet
         self.times = {}  # step -> when its loss reached the host
         self.losses = []  # this replica's loss at every step, in order
@@ -988,7 +1006,7 @@ class EpochMeter:
         self.log.write(kind="log", epoch=self.epoch, step=step, loss=values[-1], losses=values,
                        samples_per_s=rate)
         speed = "warm-up" if rate is None else (
-            f"{rate:,.0f} samples/s ({rate / self.world:,.0f} per device)")
+            f"{rate:,.0f} samples/s ({rate / self.devices:,.0f} per {self.unit})")
         line = f"epoch {self.epoch} step {step}/{self.steps} | loss {values[-1]:.4f} | {speed}"
         if self.progress:
             self.progress.show(step, self.steps, line)
@@ -1149,24 +1167,36 @@ def numerics_tolerance(device_kind, precision):
 
 
 def check_numerics(verdict, model, images, labels, topo, device_kind, args):
-    """The same first forward pass on the device and in eager PyTorch on the host CPU."""
+    """The same first step on the device and in eager PyTorch on the host CPU.
+
+    Both start from the model's weights and see the same batch; each takes one plain SGD step
+    (a copy on the device, so training itself is untouched). Compared: the logits, the loss,
+    and the weight update (the update, not the weights, so a wrong gradient cannot hide behind
+    the much larger weights).
+    """
+    def one_step(net, x, y):
+        before = [p.detach().clone() for p in net.parameters()]
+        logits = net(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        torch.optim.SGD(net.parameters(), lr=args.lr).step()
+        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(net.parameters(), before)])
+        return logits.detach(), loss.detach(), update
+
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    probe = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
+    probe.load_state_dict(state)
     reference = ToyModel(args.layerdrop, args.layerdrop_prob)
-    reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
-    with torch.no_grad():
-        logits = model(images.to(topo.device))
-        loss = F.cross_entropy(logits, labels.to(topo.device))
-        logits, loss = logits.cpu(), float(loss.cpu())  # deliberate sync: a one-off check
-        ref_logits = reference(images)
-        ref_loss = float(F.cross_entropy(ref_logits, labels))
-    logits_diff = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
-    loss_diff = abs(loss - ref_loss) / abs(ref_loss)
+    reference.load_state_dict(state)
+    on_device = one_step(probe, images.to(topo.device), labels.to(topo.device))
+    on_device = [t.cpu() for t in on_device]  # deliberate sync: a one-off check before training
+    on_host = one_step(reference, images, labels)
+    diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(on_device, on_host)]
     tol = numerics_tolerance(device_kind, args.matmul_precision)
-    hint = ("" if device_kind == "CPU" else
-            f"; matmul precision {args.matmul_precision}, raise it with --matmul-precision "
-            "highest (torch_xla.backends.set_mat_mul_precision)")
-    verdict.add("numerics", logits_diff <= tol and loss_diff <= tol,
-                f"device vs eager CPU on the first batch: logits rel diff {logits_diff:.1e}, "
-                f"loss rel diff {loss_diff:.1e} (tolerance {tol:.0e}{hint})")
+    verdict.add("numerics", max(diffs) <= tol,
+                f"first step, device vs eager CPU: rel diff logits {diffs[0]:.1e}, loss "
+                f"{diffs[1]:.1e}, weight update {diffs[2]:.1e} (tolerance {tol:.0e}, matmul "
+                f"precision {args.matmul_precision}; raise it with --matmul-precision highest)")
 
 
 def check_checkpoint(verdict, model, optimizer, path):
@@ -1278,13 +1308,12 @@ def run_training(args, device_kind, mesh=None):
         start_epoch, accuracy = resume(model, optimizer, test, topo, args, device_kind)
 
     log, counter = RunLog(args.out_dir), CompileCounter()
-    losses, rate, path = [], None, None
+    losses, rate, path, compiles = [], None, None, None
     for epoch in range(start_epoch, args.epochs + 1):
         first = epoch == start_epoch
         counter.start_epoch()
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
-        meter = EpochMeter(epoch, len(loader), global_batch, topo.devices, log,
-                           ProgressBar.create())
+        meter = EpochMeter(epoch, len(loader), global_batch, topo, log, ProgressBar.create())
         started = time.perf_counter()
         train_epoch(model, optimizer, loader, args, epoch, topo, meter)
         losses += meter.losses
@@ -1312,10 +1341,10 @@ def run_training(args, device_kind, mesh=None):
                 f"than --max-recompiles {args.max_recompiles}: the graph changes from step to "
                 "step (see --metrics-debug)", EXIT_RECOMPILES)
 
-    total, seconds = CompileCounter.read()
     shown = "n/a" if accuracy is None else f"{accuracy:.2f}%"
-    print0(f"done | {args.epochs} epochs | test accuracy {shown} | compiled {total} graphs in "
-           f"{seconds:.1f} s | out {args.out_dir}")
+    print0(f"done | {args.epochs} epochs | test accuracy {shown} | out {args.out_dir}")
+    if compiles:
+        print0(f"done {format_compiles(compiles, first_epoch=False)}")
     if verdict:
         finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate, accuracy,
                        path)
@@ -1390,7 +1419,7 @@ def benchmark_layerdrop(args, device_kind):
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         loader, sampler = train_loader(images, labels, args.batch_size, 1, 0, args.seed, 0, steps)
         sampler.set_epoch(1)
-        meter = EpochMeter(1, len(loader), args.batch_size, 1, None, None, quiet=True)
+        meter = EpochMeter(1, len(loader), args.batch_size, topo, None, None, quiet=True)
         before, before_s = CompileCounter.read()
         train_epoch(model, optimizer, loader, args, 1, topo, meter)
         after, after_s = CompileCounter.read()
@@ -1432,7 +1461,7 @@ def prepare_out_dir(args, resume_epoch):
             raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
                              "; continue it with --resume, pick another --out-dir, or pass "
                              "--overwrite to delete it and start clean")
-        for name in earlier + ["metrics.png"]:
+        for name in earlier + ["metrics.png", "verdict.json"]:
             target = os.path.join(args.out_dir, name)
             shutil.rmtree(target) if os.path.isdir(target) else (
                 os.path.exists(target) and os.remove(target))
@@ -1450,7 +1479,7 @@ def run(args):
     cores = check_cores(args, device_kind, available) if training else 1
     prepare_data(args)
     if args.export:
-        export_checkpoint(args, device_kind)
+        export_checkpoint(args)
         return
     if args.benchmark == "layerdrop":
         benchmark_layerdrop(args, device_kind)
@@ -1489,6 +1518,8 @@ def fit(**flags):
     except TrainingFailed as e:
         if e.code != EXIT_SMOKE_FAILED:
             raise
+    if args.export or args.benchmark:
+        return None  # no training run to collect: the figures were printed
     return collect_result(args)
 
 
