@@ -383,11 +383,11 @@ def format_fallbacks(ops):
     return ", ".join(f"{name} x{count}" for name, count in ops.items()) or "none"
 
 
-def format_compiles(c, first_epoch):
-    """The four figures: this epoch's (or, at the end, the last epoch's) compilations, the
-    total, the seconds spent compiling, and the recompiles after warm-up; then the fallbacks."""
+def format_compiles(c, first_epoch, epoch="this epoch"):
+    """The four figures: the epoch's compilations, the total, the seconds spent compiling, and
+    the recompiles after warm-up; then the ops that fell back to the CPU."""
     warm = " (this epoch was the warm-up)" if first_epoch else ""
-    return (f"compiles | this epoch {c['compiles_epoch']} | total {c['compiles_total']} | "
+    return (f"compiles | {epoch} {c['compiles_epoch']} | total {c['compiles_total']} | "
             f"{c['compile_seconds']:.1f} s compiling | recompiles after warm-up "
             f"{c['recompiles_after_warmup']}{warm} | CPU fallback ops: "
             f"{format_fallbacks(c['cpu_fallback_ops'])}")
@@ -1344,7 +1344,7 @@ def run_training(args, device_kind, mesh=None):
     shown = "n/a" if accuracy is None else f"{accuracy:.2f}%"
     print0(f"done | {args.epochs} epochs | test accuracy {shown} | out {args.out_dir}")
     if compiles:
-        print0(f"done {format_compiles(compiles, first_epoch=False)}")
+        print0(f"done {format_compiles(compiles, first_epoch=False, epoch='last epoch')}")
     if verdict:
         finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate, accuracy,
                        path)
