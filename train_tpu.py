@@ -332,7 +332,8 @@ class Topology:
         import torch_xla.distributed.spmd as xs
 
         # Under SPMD the loader shards each batch as it copies it: the batch dimension is split
-        # over the mesh's "data" axis, one slice per device.
+        # over the mesh's "data" axis, one slice per device. One spec per field of the dict:
+        # https://docs.pytorch.org/xla/release/r2.8/perf/spmd_advanced.html
         spec = {"image": xs.ShardingSpec(self.mesh, ("data", None, None, None)),
                 "label": xs.ShardingSpec(self.mesh, ("data",)),
                 "valid": xs.ShardingSpec(self.mesh, ("data",))}
@@ -1279,7 +1280,8 @@ def run_training(args, device_kind, mesh=None):
     model = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
     if not topo.spmd and topo.world > 1:
         # Seeding is not enough on TPU v2/v3: two devices per chip run as threads of one
-        # process, sharing the global RNG. Copy the master's initial weights to every replica.
+        # process (the PJRT page linked in run()), sharing the global RNG. Copy the master's
+        # initial weights to every replica.
         xm.broadcast_master_param(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
@@ -1489,7 +1491,7 @@ def run(args):
         run_spmd(args, device_kind)
     else:
         # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
-        # its chip's cores. https://docs.pytorch.org/xla/release/r2.8/learn/pjrt.html
+        # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
         xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
 
 
