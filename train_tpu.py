@@ -139,8 +139,10 @@ def build_parser():
                       help="DataLoader worker processes per replica")
 
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=3, metavar="N", help="epochs to train in total")
-    train.add_argument("--batch-size", type=int, default=128, metavar="N", help="samples per core per step")
+    train.add_argument("--epochs", type=int, default=3, metavar="N",
+                       help="epochs to train in total")
+    train.add_argument("--batch-size", type=int, default=128, metavar="N",
+                       help="samples per core per step")
     train.add_argument("--lr", type=float, default=0.05,
                        help="SGD learning rate, used as given (not scaled with the world size)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
@@ -453,7 +455,8 @@ def prepare_data(args):
     for download in (False, True):
         try:
             # torchvision prints download attempts; on failure our one line says it all.
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            quiet = io.StringIO()
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
                 for train in (True, False):
                     torchvision.datasets.MNIST(args.data_dir, train=train, download=download)
             return
@@ -702,10 +705,12 @@ def save_spmd_checkpoint(ckpt, out_dir):
     # The plain fields again, readable without loading the shards (and by people: cat it).
     with open(os.path.join(tmp, "train_tpu.json"), "w") as f:
         json.dump({k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}, f, indent=1)
-    shutil.rmtree(final, ignore_errors=True)
+    if os.path.exists(final):  # the same epoch saved again: keep the old one until replaced
+        os.replace(final, final + ".old")
     os.replace(tmp, final)
-    for old in os.listdir(root):  # keep the newest complete checkpoint only
-        if old.startswith("epoch-") and not old.endswith(".tmp") and old < os.path.basename(final):
+    name = os.path.basename(final)
+    for old in os.listdir(root):  # drop what this one supersedes; never a later epoch
+        if old.startswith("epoch-") and old != name and old[:len(name)] <= name:
             shutil.rmtree(os.path.join(root, old))
     return final
 
@@ -826,8 +831,8 @@ def load_file_checkpoint(path, mmap=False):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
-        raise UsageError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]}); it may be truncated or damaged")
+        raise UsageError(f"--resume {path}: cannot read the checkpoint ({type(e).__name__}); "
+                         "it may be truncated or damaged, or not a torch.save file")
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "epoch"} <= ckpt.keys():
         raise UsageError(f"--resume {path}: not a train_tpu.py checkpoint (needs model, "
                          "optimizer and epoch)")
@@ -1468,6 +1473,8 @@ def prepare_out_dir(args, resume_epoch):
             shutil.rmtree(target) if os.path.isdir(target) else (
                 os.path.exists(target) and os.remove(target))
         print(f"out | --overwrite: deleted the earlier run in {args.out_dir}, starting clean")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UsageError(f"--out-dir {args.out_dir}: a file is there, not a folder")
     os.makedirs(args.out_dir, exist_ok=True)
     if args.resume:
         RunLog(args.out_dir).keep_epochs_before(resume_epoch)
