@@ -55,11 +55,14 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -68,12 +71,19 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
-import torch_xla.distributed.parallel_loader as pl
-import torch_xla.distributed.xla_multiprocessing as xmp
-import torch_xla.runtime as xr
+try:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+    import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.distributed.xla_multiprocessing as xmp
+    import torch_xla.runtime as xr
+except ImportError as e:
+    # A torch_xla built for another torch fails here (undefined C++ symbols). main() turns it
+    # into one line that names both versions, instead of a traceback (check_versions).
+    XLA_IMPORT_ERROR = e
+else:
+    XLA_IMPORT_ERROR = None
 
 # ---- configuration ---------------------------------------------------------------------------
 
@@ -175,6 +185,9 @@ def build_parser():
                             + ")")
     smoke.add_argument("--report", default=None, metavar="PATH",
                        help="with --smoke: also write the verdict as JSON to PATH")
+    smoke.add_argument("--deadline-scale", type=float, default=1.0, metavar="X",
+                       help="with --smoke: multiply each check's deadline by X (a check that "
+                            "does not finish in time FAILs, so a hang never blocks the verdict)")
     smoke.add_argument("--matmul-precision", choices=("default", "high", "highest"),
                        default="default",
                        help="TPU matmul precision (default: one bfloat16 pass); the numerics "
@@ -234,10 +247,15 @@ def parse_args(argv=None):
     if not 0 <= args.target_accuracy < math.inf:
         # Above 100 is allowed and unreachable: a way to see a run (or a smoke check) fail.
         raise UsageError(f"--target-accuracy {args.target_accuracy}: a percentage, 0 or more")
+    if not 0 < args.deadline_scale < math.inf:
+        raise UsageError(f"--deadline-scale {args.deadline_scale}: must be a positive number")
     if args.max_recompiles is not None and args.max_recompiles < 0:
         raise UsageError(f"--max-recompiles {args.max_recompiles}: must be 0 or more")
     if args.resume is not None and not os.path.exists(args.resume):
         raise UsageError(f"--resume {args.resume}: no such file or directory")
+    if args.export is not None and os.path.isdir(args.export):
+        raise UsageError(f"--export {args.export}: a folder is there; name the file to write, "
+                         f"e.g. {os.path.join(args.export, 'model.pt')}")
     if args.export is not None and args.resume is None:
         raise UsageError("--export needs --resume PATH: the checkpoint to convert")
     if args.report is not None and not args.smoke:
@@ -272,11 +290,34 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def check_versions(torch_version, xla_version):
+    """torch_xla's C++ is built against one torch release: refuse a pair that does not match."""
+    def release(version):
+        return tuple(version.split("+")[0].split(".")[:2])  # 2.9.0+cu128 -> ("2", "9")
+
+    if xla_version is None or release(torch_version) != release(xla_version):
+        raise UsageError(f"torch {torch_version} with torch_xla {xla_version}: torch_xla needs the "
+                         "torch release it was built for; install the pair in requirements.txt")
+    if XLA_IMPORT_ERROR is not None:
+        raise UsageError(f"torch {torch_version} with torch_xla {xla_version}: import torch_xla "
+                         f"failed ({XLA_IMPORT_ERROR}); reinstall the pair in requirements.txt")
+
+
+def installed_versions():
+    from importlib import metadata
+
+    try:
+        return torch.__version__, metadata.version("torch_xla")
+    except metadata.PackageNotFoundError:
+        return torch.__version__, None
+
+
 def select_runtime():
     """Picks the PJRT device the way torch_xla would, without starting the runtime.
 
     xmp.spawn refuses to run once the runtime is up in the parent, so nothing here may touch a
-    device. torch_xla chooses TPU when TPU chips are on the PCI bus, otherwise the CPU.
+    device. torch_xla chooses TPU when TPU chips are on the PCI bus, otherwise the CPU. A new
+    TPU VM fails here, before the runtime's long tracebacks, with a line that says what to do.
     """
     from torch_xla._internal import tpu  # documented as safe to call before xmp.spawn
 
@@ -284,15 +325,73 @@ def select_runtime():
         os.environ["PJRT_DEVICE"] = "TPU" if tpu.num_available_chips() > 0 else "CPU"
     kind = os.environ["PJRT_DEVICE"]
     if kind == "TPU":
+        if tpu.num_available_chips() == 0:
+            # Without this torch_xla asks the GCE metadata server and ends in a traceback.
+            raise UsageError("PJRT_DEVICE=TPU, but this machine has no TPU chip on its PCI bus; "
+                             "unset PJRT_DEVICE (or set PJRT_DEVICE=CPU) to run on the CPU")
+        holders = processes_holding(tpu_device_files())
+        if holders:
+            pid, command = holders[0]
+            raise UsageError(f"the TPU is in use by process {pid} ({command}): only one process "
+                             f"can hold it; stop that one (kill {pid}) and run again")
         return kind, tpu.num_available_devices()
     if kind == "CPU":
         return kind, int(os.environ.get("CPU_NUM_DEVICES", "1"))
     raise UsageError(f"PJRT_DEVICE={kind}: this script supports TPU and CPU")
 
 
-def check_cores(args, kind, available):
-    """Returns the number of devices to use, or says why --cores cannot be honoured."""
+def tpu_device_files():
+    # libtpu opens the chips as /dev/accel* (TPU v2-v5e) or /dev/vfio/<n> (v5p, v6e); a second
+    # process then fails with "TPU initialization failed" and no hint of who holds them.
+    import glob
+
+    return glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
+
+
+def processes_holding(paths):
+    """[(pid, command)] of other processes with one of `paths` open, read from /proc."""
+    wanted, found = {os.path.realpath(p) for p in paths}, []
+    for pid in filter(str.isdigit, os.listdir("/proc") if wanted else []):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.path.realpath(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found.append((int(pid), f.read().replace(b"\0", b" ").decode().strip()))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def pod_hosts(kind):
+    """(this host's index, hosts in the slice), read before the runtime starts.
+
+    A TPU VM reads both from its metadata (torch_xla/_internal/tpu.py: worker_id and
+    num_tpu_workers). The global master, ordinal 0, runs on host 0.
+    """
+    if kind != "TPU":
+        return 0, 1
+    from torch_xla._internal import tpu
+
+    try:
+        return tpu.worker_id(), tpu.num_tpu_workers()
+    except Exception as e:
+        raise UsageError(f"cannot read this TPU VM's topology from its metadata server "
+                         f"({type(e).__name__}); is this a Cloud TPU VM?")
+
+
+def check_cores(args, kind, available, hosts=1):
+    """Returns the number of devices to use on this host, or says why --cores cannot be."""
     cores = args.cores or available
+    if hosts > 1 and args.spmd:
+        # SPMD across hosts needs a process group for its checkpoints and one writer per
+        # file; under SPMD every host's ordinal reads 0 (torch_xla/runtime.py), so all would write.
+        raise UsageError(f"--spmd on a pod slice of {hosts} hosts: this script runs SPMD on one "
+                         "host only; leave out --spmd to train data-parallel on every host")
+    if hosts > 1 and cores == 1:
+        raise UsageError(f"--cores 1 on a pod slice of {hosts} hosts: each host would train alone "
+                         "and write the same checkpoint; leave out --cores to use the whole slice")
     if args.spmd and kind == "CPU":
         # SPMD on the CPU emulates as many devices as asked; the runtime reads this at start.
         os.environ["CPU_NUM_DEVICES"] = str(cores)
@@ -327,6 +426,19 @@ class Topology:
     def spmd(self):
         return self.mesh is not None
 
+    @property
+    def emulated(self):
+        """More replicas than devices: only the test suite's emulated world (README) does that."""
+        return not self.spmd and self.world > xr.global_runtime_device_count()
+
+    def agree_max(self, value):
+        """The largest `value` over all replicas, so that every replica takes the same decision:
+        one that stops alone leaves the others waiting in their next all-reduce for ever."""
+        if self.spmd or self.world == 1:
+            return value
+        shared = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([float(value)], device=self.device))
+        return int(shared.cpu())  # deliberate sync, once per epoch
+
     def loader(self, loader):
         """MpDeviceLoader: overlaps the host-to-device copy with the step, and cuts the graph."""
         if not self.spmd:
@@ -360,6 +472,9 @@ class CompileCounter:
 
     def start_epoch(self):
         self.at_epoch_start = self.read()[0]
+
+    def recompiles_so_far(self):
+        return 0 if self.at_warmup_end is None else self.read()[0] - self.at_warmup_end
 
     def end_epoch(self, first_epoch):
         total, seconds = self.read()
@@ -447,24 +562,57 @@ def normalise(images):
 
 
 def prepare_data(args):
-    """Runs once in the parent before any spawn, so replicas never race to download MNIST."""
-    if args.data != "mnist":
+    """Makes sure MNIST is in --data-dir before any replica starts, so replicas never race.
+
+    Every host of a pod runs this: each host's local disk needs its own copy. Hosts that share
+    one disk would race, so each downloads into a private folder and moves the finished files
+    into place with atomic renames; a reader sees a whole file or none.
+    """
+    if args.data != "mnist" or mnist_present(args.data_dir):
         return
     import torchvision
 
-    for download in (False, True):
-        try:
-            # torchvision prints download attempts; on failure our one line says it all.
-            quiet = io.StringIO()
-            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-                for train in (True, False):
-                    torchvision.datasets.MNIST(args.data_dir, train=train, download=download)
-            return
-        except Exception:
-            continue
-    raise UsageError(
-        f"MNIST is not in --data-dir {args.data_dir} (expected {args.data_dir}/MNIST/raw/"
-        "*-ubyte) and could not be downloaded; copy it there, or use --data synthetic")
+    private = None
+    try:
+        os.makedirs(args.data_dir, exist_ok=True)
+        private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
+        with quietly():  # torchvision prints each attempt; our one line says it all
+            for train in (True, False):
+                torchvision.datasets.MNIST(private, train=train, download=True)
+        raw = os.path.join(args.data_dir, "MNIST", "raw")
+        os.makedirs(raw, exist_ok=True)
+        for name in os.listdir(os.path.join(private, "MNIST", "raw")):
+            if name.endswith("-ubyte"):
+                os.replace(os.path.join(private, "MNIST", "raw", name), os.path.join(raw, name))
+    except Exception:
+        pass  # the check below says what is missing
+    finally:
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+    if not mnist_present(args.data_dir):
+        raise UsageError(
+            f"MNIST is not in --data-dir {args.data_dir} (expected {args.data_dir}/MNIST/raw/"
+            "*-ubyte) and could not be downloaded; copy it there, or use --data synthetic")
+
+
+def mnist_present(data_dir):
+    import torchvision
+
+    try:
+        with quietly():
+            for train in (True, False):
+                torchvision.datasets.MNIST(data_dir, train=train, download=False)
+        return True
+    except Exception:
+        return False
+
+
+def quietly():
+    quiet = io.StringIO()
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stdout(quiet))
+    stack.enter_context(contextlib.redirect_stderr(quiet))
+    return stack
 
 
 def load_split(args, train):
@@ -678,18 +826,19 @@ def checkpoint_dict(model, optimizer, next_epoch, args, test_loss, accuracy, dev
             "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind}
 
 
-def save_checkpoint(ckpt, out_dir, spmd, world):
+def save_checkpoint(ckpt, out_dir, spmd):
     if spmd:
         return save_spmd_checkpoint(ckpt, out_dir)
     path = os.path.join(out_dir, "checkpoint.pt")
     tmp = path + ".tmp"
-    # Every replica calls xm.save (it moves its tensors to the host); only the global master
-    # writes, the same process that renames, so a pod's hosts never write one shared file.
+    # Every replica calls xm.save; only the global master moves the tensors to the host and
+    # writes, and the same process renames, so a pod's hosts never write one shared file.
+    # No barrier after it: the others have nothing to wait for (nothing reads the file until
+    # the run ends), and xm.rendezvous would read a size with .item(), a host sync the
+    # fallback accounting counts (xla_rendezvous in torch_xla/core/xla_model.py, 2.9).
     xm.save(ckpt, tmp, master_only=True, global_master=True)
     if is_master():
         os.replace(tmp, path)
-    if world > 1:
-        xm.rendezvous("checkpoint saved")  # no replica runs ahead of a half-written save
     return path
 
 
@@ -1102,25 +1251,33 @@ def read_history(out_dir):
 
 
 class Verdict:
-    """PASS/FAIL checks with their figures; printed as a table and written as JSON."""
+    """PASS/FAIL checks with their figures; printed as a table and written as JSON.
+
+    A check that cannot be true in the test suite's emulated world (README: "what runs where")
+    is added with passed=None: shown as EMUL, counted neither as passed nor as failed.
+    """
 
     def __init__(self):
         self.checks = []
 
     def add(self, name, passed, figure):
-        self.checks.append({"name": name, "passed": bool(passed), "figure": figure})
+        self.checks.append({"name": name, "passed": None if passed is None else bool(passed),
+                            "figure": figure})
 
     @property
     def passed(self):
-        return all(c["passed"] for c in self.checks)
+        return all(c["passed"] is not False for c in self.checks)
 
     def table(self):
-        lines = [f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']:<12} {c['figure']}"
-                 for c in self.checks]
-        failed = [c["name"] for c in self.checks if not c["passed"]]
+        mark = {True: "PASS", False: "FAIL", None: "EMUL"}
+        lines = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in self.checks]
+        failed = [c["name"] for c in self.checks if c["passed"] is False]
+        checked = [c for c in self.checks if c["passed"] is not None]
+        emulated = len(self.checks) - len(checked)
         summary = "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")"
-        return "\n".join(["smoke verdict"] + lines + [f"smoke verdict: {summary}, "
-                          f"{len(self.checks) - len(failed)}/{len(self.checks)} checks passed"])
+        return "\n".join(["smoke verdict"] + lines + [
+            f"smoke verdict: {summary}, {len(checked) - len(failed)}/{len(checked)} checks passed"
+            + (f", {emulated} emulated (not checked)" if emulated else "")])
 
     def to_json(self, args):
         import torchvision
@@ -1131,14 +1288,70 @@ class Verdict:
         return {"passed": self.passed, "checks": self.checks, "config": config,
                 "versions": versions}
 
+    def publish(self, args):
+        """The master prints the table and writes OUT/verdict.json (and --report)."""
+        if not is_master():
+            return
+        print(self.table(), flush=True)
+        report = json.dumps(self.to_json(args), indent=1)
+        for target in filter(None, (os.path.join(args.out_dir, "verdict.json"), args.report)):
+            with open(target + ".tmp", "w") as f:
+                f.write(report)
+            os.replace(target + ".tmp", target)
+
+
+class Watchdog:
+    """--smoke never hangs: each check, and the training it runs, has a deadline.
+
+    A hung collective or compile cannot be interrupted from Python. When a deadline passes,
+    this thread marks that check FAIL, prints the verdict with what did finish, and ends the
+    process with exit 5 (xmp.spawn's pool then ends the other replicas: stop_every_replica).
+    The deadlines are generous for a TPU's first compiles; --deadline-scale multiplies them.
+    """
+
+    def __init__(self, verdict, args):
+        self.verdict, self.args, self.current = verdict, args, None
+        if verdict is not None:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def deadline(self, name, seconds):
+        if self.verdict is None:
+            return contextlib.nullcontext()
+        return self._armed(name, seconds * self.args.deadline_scale)
+
+    @contextlib.contextmanager
+    def _armed(self, name, seconds):
+        self.current = (name, seconds, time.monotonic() + seconds)
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def _watch(self):
+        while True:
+            time.sleep(0.2)
+            current = self.current
+            if current and time.monotonic() > current[2]:
+                name, seconds, _ = current
+                self.verdict.add(name, False, f"did not finish within {seconds:.0f} s (a hang? "
+                                 "more time: --deadline-scale)")
+                self.verdict.publish(self.args)
+                print(f"train_tpu.py: failed: smoke verdict FAIL: {name} did not finish",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_SMOKE_FAILED)
+
 
 def check_devices(verdict, topo, args, device_kind):
-    found = xr.global_runtime_device_count()
-    requested = args.cores or found
-    kind = xm.xla_device_hw(topo.device)
-    verdict.add("devices", found >= requested and topo.devices == requested,
-                f"runtime {device_kind}, device kind {kind}, {found} found, "
-                f"{requested} requested, {topo.devices} in use")
+    found = xr.global_runtime_device_count()  # in the whole slice, every host's devices
+    # --cores counts this host's devices: 1, or all of them (then the run uses the slice).
+    wanted = 1 if args.cores == 1 else found
+    figure = (f"runtime {device_kind}, device kind {xm.xla_device_hw(topo.device)}, {found} "
+              f"found, {wanted} wanted (--cores {args.cores or 'all'}), {topo.devices} in use")
+    if topo.emulated:
+        verdict.add("devices", None, figure + "; a world of more replicas than devices is the "
+                    "emulation, not a machine")
+    else:
+        verdict.add("devices", topo.devices == wanted, figure)
 
 
 def check_collectives(verdict, topo):
@@ -1158,9 +1371,12 @@ def check_collectives(verdict, topo):
     total = xm.all_reduce(xm.REDUCE_SUM, ordinal)
     agree = xm.all_reduce(xm.REDUCE_SUM, (total == expected).float())  # replicas that saw it
     got, agreeing = float(total.cpu()), int(agree.cpu())
-    verdict.add("collectives", got == expected and agreeing == n,
-                f"all-reduce of ordinals = {got:g} on {agreeing}/{n} replicas "
-                f"(expected n(n-1)/2 = {expected:g})")
+    figure = (f"all-reduce of ordinals = {got:g} on {agreeing}/{n} replicas "
+              f"(expected n(n-1)/2 = {expected:g})")
+    if topo.emulated:  # one device plays every replica: its ordinal is 0 in each of them
+        verdict.add("collectives", None, figure + "; the all-reduce ran, on 1 emulated device")
+    else:
+        verdict.add("collectives", got == expected and agreeing == n, figure)
 
 
 def numerics_tolerance(device_kind, precision):
@@ -1220,8 +1436,8 @@ def check_checkpoint(verdict, model, optimizer, path):
                 f"saved, reloaded from {path}: {len(same)}/{len(live)} tensors identical")
 
 
-def finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate, accuracy,
-                   path):
+def finish_verdict(verdict, watch, model, optimizer, args, topo, counter, losses, rate,
+                   accuracy, path):
     """The checks that need the finished run; then the table, the JSON, and the exit code."""
     total, seconds = CompileCounter.read()
     recompiles = total - counter.at_warmup_end if counter.at_warmup_end is not None else 0
@@ -1238,16 +1454,13 @@ def finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate,
     verdict.add("learning", after < before and (accuracy or 0.0) >= args.target_accuracy,
                 f"loss {before:.3f} -> {after:.3f} (mean of first and last {k} steps), "
                 f"test accuracy {accuracy or 0.0:.2f}% (target {args.target_accuracy:g}%)")
-    if is_master():  # reads files the master wrote; no collectives in here
+    if not is_master():
+        return  # the master's verdict is the one printed, written and acted on
+    with watch.deadline("checkpoint", 120):  # reads what the master wrote; no collectives
         check_checkpoint(verdict, model, optimizer, path)
-        print(verdict.table(), flush=True)
-        report = json.dumps(verdict.to_json(args), indent=1)
-        for target in filter(None, (os.path.join(args.out_dir, "verdict.json"), args.report)):
-            with open(target + ".tmp", "w") as f:
-                f.write(report)
-            os.replace(target + ".tmp", target)
+    verdict.publish(args)
     if not verdict.passed:
-        failed = ", ".join(c["name"] for c in verdict.checks if not c["passed"])
+        failed = ", ".join(c["name"] for c in verdict.checks if c["passed"] is False)
         raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
 
 
@@ -1270,10 +1483,14 @@ def train_epoch(model, optimizer, loader, args, epoch, topo, meter):
 
 def run_training(args, device_kind, mesh=None):
     """Everything one replica does; the SPMD path runs it once, over the whole mesh."""
-    if mesh is None:
-        topo = Topology(torch_xla.device(), xr.world_size(), xr.global_ordinal(), xr.world_size())
-    else:
-        topo = Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
+    verdict = Verdict() if args.smoke else None
+    watch = Watchdog(verdict, args)  # with --smoke: every stage below has a deadline
+    with watch.deadline("devices", 120):  # the runtime starts here
+        if mesh is None:
+            topo = Topology(torch_xla.device(), xr.world_size(), xr.global_ordinal(),
+                            xr.world_size())
+        else:
+            topo = Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
     # Each replica loads its own shard; under SPMD the one process loads the global batch.
     load_batch = args.batch_size * (topo.devices if topo.spmd else 1)
     global_batch = args.batch_size * topo.devices
@@ -1305,12 +1522,14 @@ def run_training(args, device_kind, mesh=None):
            f"(as given, not scaled) | model {variant(args.layerdrop)}, layerdrop {args.layerdrop}"
            f" | out {args.out_dir}")
 
-    verdict = Verdict() if args.smoke else None
     if verdict:
-        check_devices(verdict, topo, args, device_kind)
-        check_collectives(verdict, topo)
-        check_numerics(verdict, model, images[:load_batch], labels[:load_batch], topo,
-                       device_kind, args)
+        with watch.deadline("devices", 120):
+            check_devices(verdict, topo, args, device_kind)
+        with watch.deadline("collectives", 300):  # compiles, then meets every replica
+            check_collectives(verdict, topo)
+        with watch.deadline("numerics", 300):
+            check_numerics(verdict, model, images[:load_batch], labels[:load_batch], topo,
+                           device_kind, args)
     start_epoch, accuracy = 1, None
     if args.resume:
         start_epoch, accuracy = resume(model, optimizer, test, topo, args, device_kind)
@@ -1323,13 +1542,16 @@ def run_training(args, device_kind, mesh=None):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
         meter = EpochMeter(epoch, len(loader), global_batch, topo, log, ProgressBar.create())
         started = time.perf_counter()
-        train_epoch(model, optimizer, loader, args, epoch, topo, meter)
-        losses += meter.losses
-
-        test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
-        path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
-                                               accuracy, device_kind),
-                               args.out_dir, topo.spmd, topo.world)
+        with watch.deadline("training", 300 + 2 * len(loader)):  # compiles, steps, eval, save
+            train_epoch(model, optimizer, loader, args, epoch, topo, meter)
+            losses += meter.losses
+            test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
+            path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
+                                                   accuracy, device_kind),
+                                   args.out_dir, topo.spmd)
+        # The replicas stop together or not at all. Agreed before end_epoch, so that the
+        # agreement's own graph compiles within the warm-up.
+        recompiles = topo.agree_max(counter.recompiles_so_far())
         compiles = counter.end_epoch(first)
         rate = meter.samples_per_s()
         log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
@@ -1342,10 +1564,9 @@ def run_training(args, device_kind, mesh=None):
             print0(met.metrics_report())
         if is_master():
             write_plot(args.out_dir)
-        if (args.max_recompiles is not None and not args.smoke
-                and compiles["recompiles_after_warmup"] > args.max_recompiles):
+        if args.max_recompiles is not None and not args.smoke and recompiles > args.max_recompiles:
             raise TrainingFailed(
-                f"recompiled {compiles['recompiles_after_warmup']} graphs after warm-up, more "
+                f"recompiled {recompiles} graphs after warm-up (on some replica), more "
                 f"than --max-recompiles {args.max_recompiles}: the graph changes from step to "
                 "step (see --metrics-debug)", EXIT_RECOMPILES)
 
@@ -1354,8 +1575,8 @@ def run_training(args, device_kind, mesh=None):
     if compiles:
         print0(f"done {format_compiles(compiles, first_epoch=False, epoch='last epoch')}")
     if verdict:
-        finish_verdict(verdict, model, optimizer, args, topo, counter, losses, rate, accuracy,
-                       path)
+        finish_verdict(verdict, watch, model, optimizer, args, topo, counter, losses, rate,
+                       accuracy, path)
     elif (accuracy or 0.0) < args.target_accuracy:
         raise TrainingFailed(f"test accuracy {shown} is below --target-accuracy "
                              f"{args.target_accuracy}", EXIT_BELOW_TARGET)
@@ -1374,7 +1595,7 @@ def resume(model, optimizer, test, topo, args, device_kind):
         # Write the conversion now, in this mode's format, before any training changes it.
         path = save_checkpoint(checkpoint_dict(model, optimizer, start_epoch, args, loss,
                                                accuracy, device_kind),
-                               args.out_dir, topo.spmd, topo.world)
+                               args.out_dir, topo.spmd)
         print0(f"resume | converted checkpoint saved as {path}")
     if start_epoch > args.epochs:
         print0(f"resume | nothing to train: the checkpoint finished epoch {start_epoch - 1}, "
@@ -1384,9 +1605,52 @@ def resume(model, optimizer, test, topo, args, device_kind):
     return start_epoch, accuracy
 
 
-def _mp_fn(index, args, device_kind):
+def _mp_fn(index, args, device_kind, failure_file):
     """xmp.spawn's entry: called once per replica with its index."""
-    run_training(args, device_kind)
+    try:
+        run_training(args, device_kind)
+    except BaseException as e:
+        if xr.world_size() == 1:
+            raise  # the only replica, in this process: main() or fit() reports it
+        stop_every_replica(e, failure_file)
+
+
+def stop_every_replica(error, failure_file):
+    """Ends the whole run when one replica fails, instead of a hang.
+
+    A replica that stops alone leaves the others blocked in their next all-reduce, and
+    xmp.spawn waits for them for ever. So the failing replica records its exit code and line
+    in `failure_file` and ends its process at once; xmp.spawn's process pool then terminates
+    the other replicas and raises in the parent (concurrent.futures.ProcessPoolExecutor on a
+    worker that dies; torch_xla/_internal/pjrt.py run_multiprocess), which reads the file.
+    """
+    code, line = describe(error)
+    line = f"replica {xr.global_ordinal()}: {line}"
+    with open(failure_file, "a") as f:
+        f.write(json.dumps([code, line]) + "\n")
+    if multiprocessing.parent_process() is None:  # no parent to report it: say it here
+        print(f"train_tpu.py: {line}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def spawn_replicas(args, device_kind, cores):
+    handle, failures = tempfile.mkstemp(prefix="train_tpu-failure-", suffix=".jsonl")
+    os.close(handle)
+    try:
+        # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
+        # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
+        xmp.spawn(_mp_fn, args=(args, device_kind, failures), nprocs=1 if cores == 1 else None)
+    except Exception:
+        with open(failures) as f:
+            first = f.readline()
+        if not first:
+            raise
+        code, line = json.loads(first)
+        raise TrainingFailed(line, code) from None
+    finally:
+        os.remove(failures)
 
 
 # ---- the SPMD path ---------------------------------------------------------------------------
@@ -1456,14 +1720,23 @@ class Result:
     verdict: dict = None  # with --smoke: the same verdict as the printed table
 
 
-def prepare_out_dir(args, resume_epoch):
-    """Resolves --out-dir; a fresh run never mixes its history with an earlier run's."""
+def prepare_out_dir(args, resume_epoch, writer=True):
+    """Resolves --out-dir; a fresh run never mixes its history with an earlier run's.
+
+    Only host 0 (`writer`) touches the folder. On a pod slice with a shared --out-dir the
+    hosts would race to delete, create and rewrite it; the global master, on host 0, is the
+    only replica that writes there later.
+    """
     if args.out_dir is None and args.resume:
         kind, where = find_checkpoint(args.resume)
         up = 1 if kind == "xm.save" else 2  # checkpoint.pt, or checkpoint-spmd/epoch-NNNN
         args.out_dir = os.path.abspath(os.path.join(where, *[".."] * up))
     elif args.out_dir is None:
         args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if not writer:
+        return
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UsageError(f"--out-dir {args.out_dir}: a file is there, not a folder")
     earlier = [n for n in ("metrics.jsonl", "checkpoint.pt", "checkpoint-spmd")
                if os.path.exists(os.path.join(args.out_dir, n))]
     if earlier and not args.resume:
@@ -1476,19 +1749,38 @@ def prepare_out_dir(args, resume_epoch):
             shutil.rmtree(target) if os.path.isdir(target) else (
                 os.path.exists(target) and os.remove(target))
         print(f"out | --overwrite: deleted the earlier run in {args.out_dir}, starting clean")
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        raise UsageError(f"--out-dir {args.out_dir}: a file is there, not a folder")
-    os.makedirs(args.out_dir, exist_ok=True)
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:  # a file where a parent folder should be, no permission, ...
+        raise UsageError(f"--out-dir {args.out_dir}: cannot create it ({e.strerror})")
     if args.resume:
         RunLog(args.out_dir).keep_epochs_before(resume_epoch)
 
 
+def refuse_a_running_runtime(args, cores):
+    """A second run in one Python process (a notebook cell run again) reuses its runtime.
+
+    The runtime's device count and SPMD mode are fixed when it starts; asking for others
+    afterwards crashes the process (a segfault, seen here), so say so before touching a device.
+    """
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return
+    if args.spmd or cores > 1 or xr.is_spmd():
+        raise UsageError("the XLA runtime is already running in this process (an earlier run "
+                         "or tensor on an XLA device) and cannot switch to SPMD or to another "
+                         "core count; run this in a fresh process (restart the notebook kernel)")
+
+
 def run(args):
     """Does what the parsed flags ask. Raises UsageError or TrainingFailed."""
+    check_versions(*installed_versions())
     device_kind, available = select_runtime()
+    host, hosts = pod_hosts(device_kind)
     resume_epoch = inspect_checkpoint(args.resume, args) if args.resume else 1  # settings too
     training = not (args.export or args.benchmark)
-    cores = check_cores(args, device_kind, available) if training else 1
+    cores = check_cores(args, device_kind, available, hosts) if training else 1
+    if training:
+        refuse_a_running_runtime(args, cores)
     prepare_data(args)
     if args.export:
         export_checkpoint(args)
@@ -1496,13 +1788,11 @@ def run(args):
     if args.benchmark == "layerdrop":
         benchmark_layerdrop(args, device_kind)
         return
-    prepare_out_dir(args, resume_epoch)
+    prepare_out_dir(args, resume_epoch, writer=host == 0)
     if args.spmd:
         run_spmd(args, device_kind)
     else:
-        # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
-        # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
-        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
+        spawn_replicas(args, device_kind, cores)
 
 
 def collect_result(args):
@@ -1547,17 +1837,33 @@ def argv_from(**flags):
     return argv
 
 
+def describe(error):
+    """(exit code, one line) for whatever ended a run."""
+    if isinstance(error, UsageError):
+        return EXIT_BAD_INPUT, f"error: {error}"
+    if isinstance(error, TrainingFailed):
+        return error.code, f"failed: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return 130, "interrupted"
+    traceback.print_exc()  # a bug (in your model, say): the traceback is what you need
+    return 1, f"failed: {type(error).__name__}: {error} (traceback above)"
+
+
 def main(argv=None):
     try:
         run(parse_args(argv))
-    except UsageError as e:
-        print(f"train_tpu.py: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except TrainingFailed as e:
-        print(f"train_tpu.py: failed: {e}", file=sys.stderr)
-        return e.code
+    except (Exception, KeyboardInterrupt) as e:
+        code, line = describe(e)
+        print(f"train_tpu.py: {line}", file=sys.stderr)
+        return code
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # After an error mid-epoch MpDeviceLoader's feeder thread may still be running, and the
+    # interpreter's shutdown then aborts ("terminate called without an active exception",
+    # exit 134) instead of exiting with our code. Nothing is left to flush or close here.
+    os._exit(code)
