@@ -11,6 +11,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -611,8 +612,13 @@ result = train_tpu.fit(cores=1, data="synthetic", epochs=2, steps_per_epoch=9, l
                        out_dir=sys.argv[1])
 smoke = train_tpu.fit(smoke=True, cores=1, steps_per_epoch=5, target_accuracy=101,
                       out_dir=sys.argv[1] + "-smoke")
+try:  # a notebook cell run again, asking for what the running runtime cannot give
+    train_tpu.fit(spmd=True, cores=4, data="synthetic", epochs=1, out_dir=sys.argv[1] + "-spmd")
+    again = "no error"
+except train_tpu.UsageError as e:
+    again = str(e)
 torch.save({"model": result.model.state_dict(), "history": result.history,
-            "epochs": result.epochs, "smoke": smoke.verdict}, sys.argv[2])
+            "epochs": result.epochs, "smoke": smoke.verdict, "again": again}, sys.argv[2])
 """
 
 
@@ -638,6 +644,9 @@ def test_fit_returns_the_trained_model_and_history_to_the_parent(tmp_path):
     # A failed smoke verdict comes back to the caller instead of being raised.
     assert result["smoke"]["passed"] is False
     assert [c["name"] for c in result["smoke"]["checks"] if not c["passed"]] == ["learning"]
+    # The second SPMD fit() is refused before it touches a device (it used to segfault).
+    assert "already running in this process" in result["again"]
+    assert not (tmp_path / "run-spmd").exists()
 
 
 def test_artifacts_written_by_the_master(synthetic_run):
@@ -662,3 +671,207 @@ def test_progress_bar_draws_one_line_in_place(capsys):
     bar.close()
     out = capsys.readouterr().out
     assert out.startswith("\r[##########..........] epoch 1 step 5/10") and out.endswith("\n")
+
+
+# ---- more than one replica, emulated on the CPU (README: "what runs where") ------------------
+#
+# torch_xla's CPU collectives hang across replicas, so a real world > 1 cannot run here. The
+# emulation replaces the one seam, torch_xla.runtime.world_size, to return 2, and sets
+# XLA_ALWAYS_ALLREDUCE=1 so that xm.all_reduce and xm.optimizer_step run real all-reduces on
+# the one CPU device. Every `world > 1` branch of train_tpu.py then runs with real torch_xla
+# calls; only what counts devices or sums ordinals cannot be true.
+
+EMULATED = r"""
+import sys, time
+import torch_xla.runtime as xr
+xr.world_size = lambda: 2
+import train_tpu as tt
+{patch}
+sys.exit(tt.main(sys.argv[1:]))
+"""
+
+
+def run_emulated(*args, cwd, patch="", timeout=300):
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE, XLA_ALWAYS_ALLREDUCE="1")
+    env.pop("CPU_NUM_DEVICES", None)
+    return subprocess.run([sys.executable, "-c", EMULATED.format(patch=patch), *map(str, args)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_emulated_world_2_smoke_has_no_fallback_ops(tmp_path):
+    r = run_emulated("--smoke", "--cores", 1, "--out-dir", tmp_path / "run", "--report",
+                     tmp_path / "r.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "world 2 replicas | global batch 256" in r.stdout  # the world > 1 path ran
+    compile_lines = [line for line in r.stdout.splitlines() if " compiles | " in line]
+    assert len(compile_lines) == 3  # epoch 1, epoch 2, done
+    assert all(line.endswith("CPU fallback ops: none") for line in compile_lines)
+    checks = {c["name"]: c["passed"] for c in json.load(open(tmp_path / "r.json"))["checks"]}
+    assert checks["compilation"] is True
+    # One device cannot show two devices or two ordinals: reported as emulated, never PASS.
+    assert checks["devices"] is None and checks["collectives"] is None
+    assert "EMUL  devices" in r.stdout and "2 emulated (not checked)" in r.stdout
+    # Each replica evaluates its half of the 5,000 test samples; the all-reduce sums them.
+    assert "accuracy" in r.stdout and "(2,500 samples)" in r.stdout
+
+
+def test_emulated_world_2_a_failing_replica_ends_the_run_with_its_line(tmp_path):
+    # The master's checkpoint write fails (a full disk, say) in the second epoch.
+    patch = ("real_save = tt.xm.save\n"
+             "def save(obj, path, **kw):\n"
+             "    if obj['epoch'] == 3:\n"
+             "        raise OSError(28, 'No space left on device')\n"
+             "    real_save(obj, path, **kw)\n"
+             "tt.xm.save = save")
+    started = time.monotonic()
+    r = run_emulated("--cores", 1, "--data", "synthetic", "--epochs", 3, "--steps-per-epoch", 5,
+                     "--out-dir", tmp_path / "run", cwd=tmp_path, patch=patch)
+    assert time.monotonic() - started < 120
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        "train_tpu.py: replica 0: failed: OSError: [Errno 28] No space left on device "
+        "(traceback above)")
+    # The last good checkpoint (after epoch 1) is still there and loads.
+    assert tt.load_file_checkpoint(str(tmp_path / "run" / "checkpoint.pt"))["epoch"] == 2
+
+
+def test_emulated_world_2_stop_on_recompiles_is_agreed_and_clean(tmp_path):
+    r = run_emulated("--cores", 1, "--data", "synthetic", "--layerdrop", "dynamic", "--epochs", 3,
+                     "--steps-per-epoch", 15, "--max-recompiles", 0, "--out-dir", tmp_path / "run",
+                     cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("train_tpu.py: replica 0: failed: "
+                                                             "recompiled ")
+
+
+def test_parent_exits_with_the_failing_replicas_code_and_line(monkeypatch, tmp_path):
+    from concurrent.futures.process import BrokenProcessPool
+
+    def spawn(fn, args, nprocs):  # what xmp.spawn does when one replica process dies
+        with open(args[-1], "a") as f:
+            f.write(json.dumps([5, "replica 3: failed: smoke verdict FAIL: learning"]) + "\n")
+        raise BrokenProcessPool("a child process terminated abruptly")
+
+    monkeypatch.setattr(tt.xmp, "spawn", spawn)
+    with pytest.raises(tt.TrainingFailed) as e:
+        tt.spawn_replicas(None, "TPU", 8)
+    assert e.value.code == 5 and str(e.value) == "replica 3: failed: smoke verdict FAIL: learning"
+
+
+def test_smoke_check_that_stalls_fails_by_name_within_its_deadline(tmp_path):
+    patch = "tt.check_collectives = lambda *a: time.sleep(3600)"
+    started = time.monotonic()
+    r = run_emulated("--smoke", "--cores", 1, "--deadline-scale", 0.05, "--out-dir",
+                     tmp_path / "run", "--report", tmp_path / "r.json", cwd=tmp_path, patch=patch)
+    assert time.monotonic() - started < 100
+    assert r.returncode == 5, r.stderr
+    assert "did not finish within 15 s" in r.stdout
+    checks = {c["name"]: c["passed"] for c in json.load(open(tmp_path / "r.json"))["checks"]}
+    assert checks == {"devices": None, "collectives": False}  # what finished, and the stall
+    assert r.stderr.splitlines()[-1].endswith("collectives did not finish")
+
+
+def test_pod_slice_configurations_that_cannot_work_are_refused(capsys, monkeypatch):
+    monkeypatch.setattr(tt, "select_runtime", lambda: ("TPU", 4))  # a v4-32: 4 hosts x 4 chips
+    monkeypatch.setattr(tt, "pod_hosts", lambda kind: (0, 4))
+    for argv, words in ((["--spmd"], "one host only"), (["--cores", "1"], "each host would")):
+        assert tt.main(argv + ["--data", "synthetic"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "pod slice of 4 hosts" in err and words in err
+
+
+def test_devices_check_counts_the_whole_slice(monkeypatch):
+    # --cores 4 on each of 4 hosts: 16 replicas over 16 devices is right, not a mismatch.
+    monkeypatch.setattr(tt.xr, "global_runtime_device_count", lambda: 16)
+    monkeypatch.setattr(tt.xm, "xla_device_hw", lambda device: "TPU")
+    args = tt.parse_args(["--cores", "4", "--smoke"])
+    for in_use, passed in ((16, True), (4, False)):
+        verdict = tt.Verdict()
+        tt.check_devices(verdict, tt.Topology("xla:0", in_use, 0, in_use), args, "TPU")
+        assert verdict.checks[0]["passed"] is passed, verdict.checks
+
+
+def test_only_host_0_touches_the_out_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    args = tt.parse_args(["--out-dir", str(run_dir), "--overwrite"])
+    tt.prepare_out_dir(args, 1, writer=False)  # host 1 of a pod: leaves it alone
+    assert (run_dir / "metrics.jsonl").exists()
+    tt.prepare_out_dir(args, 1, writer=True)  # host 0: deletes the earlier run
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_tpu_requested_without_a_tpu_exits_2_quickly(tmp_path):
+    started = time.monotonic()
+    r = run_cli("--smoke", cwd=tmp_path, env={"PJRT_DEVICE": "TPU"}, timeout=120)
+    assert time.monotonic() - started < 60
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.splitlines()) <= 3
+    assert "no TPU chip" in r.stderr.splitlines()[-1]
+
+
+def test_process_holding_the_tpu_is_named(tmp_path, capsys, monkeypatch):
+    from torch_xla._internal import tpu
+
+    device = tmp_path / "accel0"  # stands in for /dev/accel0
+    device.write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(device)!r}); "
+                               "import time; print('open', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        monkeypatch.setenv("PJRT_DEVICE", "TPU")
+        monkeypatch.setattr(tpu, "num_available_chips", lambda: 4)
+        monkeypatch.setattr(tt, "tpu_device_files", lambda: [str(device)])
+        assert tt.main(["--data", "synthetic"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert f"in use by process {holder.pid} ({sys.executable} -c" in err
+        assert f"kill {holder.pid}" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert tt.processes_holding([str(device)]) == []
+
+
+def test_mismatched_torch_and_torch_xla_exit_2_naming_both(capsys, monkeypatch):
+    tt.check_versions("2.9.0+cu128", "2.9.0")  # the pinned pair passes
+    monkeypatch.setattr(tt, "installed_versions", lambda: ("2.8.0+cpu", "2.9.0"))
+    assert tt.main(["--data", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torch 2.8.0+cpu with torch_xla 2.9.0" in err
+
+
+def test_out_dir_under_a_file_and_export_to_a_folder_exit_2(synthetic_run, tmp_path):
+    _, source = synthetic_run
+    (tmp_path / "afile").write_text("x")
+    r = run_cli("--cores", 1, "--data", "synthetic", "--out-dir", tmp_path / "afile" / "x",
+                cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--out-dir" in r.stderr and "cannot create it" in r.stderr
+    (tmp_path / "folder").mkdir()
+    r = run_cli("--resume", source, "--export", tmp_path / "folder", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "a folder is there" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["afile", "folder"]  # nothing created, no .tmp
+
+
+def test_a_bug_in_the_training_function_exits_1_with_one_last_line(tmp_path):
+    # As a user adapting the template would: a model change that breaks the step.
+    with open(os.path.join(HERE, "train_tpu.py")) as f:
+        source = f.read()
+    broken = source.replace("    loss = F.cross_entropy(model(images, keep), labels)",
+                            "    loss = F.cross_entropy(model.head(images), labels)")
+    assert broken != source
+    (tmp_path / "train_tpu.py").write_text(broken)
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env.pop("CPU_NUM_DEVICES", None)
+    # stdout to a file, as in a user's `> log`: with both streams piped the abort was not seen.
+    r = subprocess.run([sys.executable, "train_tpu.py", "--cores", "1", "--data", "synthetic",
+                        "--out-dir", "run"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr  # not SIGABRT: the process is not aborted
+    assert "Traceback" in r.stderr
+    assert r.stderr.splitlines()[-1] == ("train_tpu.py: failed: AttributeError: 'ToyModel' "
+                                         "object has no attribute 'head' (traceback above)")
