@@ -1566,7 +1566,7 @@ def run_training(args, device_kind, mesh=None):
             write_plot(args.out_dir)
         if args.max_recompiles is not None and not args.smoke and recompiles > args.max_recompiles:
             raise TrainingFailed(
-                f"recompiled {recompiles} graphs after warm-up (on some replica), more "
+                f"recompiled {recompiles} graphs after warm-up, more "
                 f"than --max-recompiles {args.max_recompiles}: the graph changes from step to "
                 "step (see --metrics-debug)", EXIT_RECOMPILES)
 
