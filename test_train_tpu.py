@@ -5,6 +5,7 @@ PyTorch. Anything that starts the XLA runtime runs train_tpu.py in a subprocess,
 would: a runtime, once started in a process, cannot switch to SPMD or change its device count.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -511,8 +513,20 @@ def test_no_recompiles_after_warmup(layerdrop, tmp_path):
     assert "recompiles after warm-up 0 |" in r.stdout
 
 
+def independent_keep(seed, epoch, step, prob):
+    """The documented layerdrop rule, written out again here so that the recompile tests do not
+    take their expected figures from the code they check: sha256 of "seed/epoch/step", its
+    first 7 bytes (little-endian) seed a generator, and application i is kept when its uniform
+    draw is >= prob."""
+    digest = hashlib.sha256(f"{seed}/{epoch}/{step}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+    return (torch.rand(50, generator=generator) >= prob).tolist()
+
+
 def kept_counts(seed, epochs, steps):
-    return {(e, s): sum(tt.drop_pattern(seed, e, s, 0.5))
+    # From the rule itself, not from tt.drop_pattern: a broken key (say, one that ignores the
+    # step) would otherwise predict its own wrong recompile counts and pass.
+    return {(e, s): sum(independent_keep(seed, e, s, 0.5))
             for e in range(1, epochs + 1) for s in range(1, steps + 1)}
 
 
@@ -882,3 +896,220 @@ def test_a_bug_in_the_training_function_exits_1_with_one_last_line(tmp_path):
     assert "Traceback" in r.stderr
     assert r.stderr.splitlines()[-1] == ("train_tpu.py: failed: AttributeError: 'ToyModel' "
                                          "object has no attribute 'head' (traceback above)")
+
+
+# ---- added: reshuffling, SPMD input sharding, atomic saves, padded evaluation, layerdrop oracle
+
+
+def test_each_epoch_reshuffles_the_same_way_on_every_replica():
+    images, labels = torch.zeros(400, 1, 28, 28), torch.arange(400)
+
+    def order(rank, epoch, max_steps=None):
+        # A fresh loader each call: what a separate replica process would build.
+        loader, sampler = tt.train_loader(images, labels, 10, 2, rank, seed=3, num_workers=0,
+                                          max_steps=max_steps)
+        sampler.set_epoch(epoch)
+        return [int(i) for batch in loader for i in batch["label"]]
+
+    for rank in (0, 1):
+        assert order(rank, 1) != order(rank, 2)  # a new order each epoch
+        assert order(rank, 2) == order(rank, 2)  # set by (seed, epoch) alone, not by chance
+        # --steps-per-epoch takes the first steps of that epoch's order, so it reshuffles too.
+        assert order(rank, 2, max_steps=3) == order(rank, 2)[:30]
+        assert order(rank, 2, max_steps=3) != order(rank, 1, max_steps=3)
+    for epoch in (1, 2):
+        # One permutation per epoch, split between the replicas: shuffled with one seed, the
+        # two halves are disjoint; shuffled per replica, they would overlap.
+        assert sorted(order(0, epoch) + order(1, epoch)) == list(range(400))
+
+
+def test_training_sees_a_new_order_each_epoch(tmp_path):
+    # With lr 1e-9 the weights stay put (to float32 precision), so each step's loss is the
+    # initial model's loss on that step's batch: it tells which batches each epoch trained on.
+    steps, seed = 6, 0
+    r = run_cli("--cores", 1, "--data", "synthetic", "--epochs", 2, "--steps-per-epoch", steps,
+                "--log-steps", steps, "--lr", 1e-9, "--seed", seed, "--out-dir", tmp_path / "run",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    logged = {(h["epoch"], h["step"]): h["loss"] for h in tt.read_history(str(tmp_path / "run"))[0]}
+    assert sorted(logged) == [(e, s) for e in (1, 2) for s in range(1, steps + 1)]
+
+    # The reference, in eager PyTorch: the same initial weights on the batches of each
+    # epoch's shuffle.
+    images, labels = tt.synthetic_digits(tt.SYNTHETIC_TRAIN, tt.SYNTHETIC_DATA_SEED)
+    torch.manual_seed(seed)
+    model = tt.ToyModel()
+    loader, sampler = tt.train_loader(images, labels, 128, 1, 0, seed, 0, steps)
+    expected = {}
+    with torch.no_grad():
+        for epoch in (1, 2):
+            sampler.set_epoch(epoch)
+            expected[epoch] = [F.cross_entropy(model(b["image"]), b["label"]).item()
+                               for b in loader]
+    for epoch in (1, 2):
+        got = [logged[epoch, s] for s in range(1, steps + 1)]
+        assert max(abs(a - b) for a, b in zip(got, expected[epoch])) < 1e-4, epoch
+    # And the two epochs' batches really differ (same batches: the losses would agree to 1e-6).
+    assert max(abs(a - b) for a, b in zip(expected[1], expected[2])) > 1e-3
+
+
+SHARDING_SCRIPT = r"""
+import json, os
+os.environ["CPU_NUM_DEVICES"] = "4"
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+import train_tpu as tt
+xr.use_spmd()
+topo = tt.Topology(torch_xla.device(), 1, 0, 4, xs.Mesh(np.arange(4), (4,), ("data",)))
+images, labels = tt.synthetic_digits(64, 7)
+train, sampler = tt.train_loader(images, labels, 16, 1, 0, seed=0, num_workers=0)
+sampler.set_epoch(1)
+test = torch.utils.data.DataLoader(tt.eval_shard(images[:50], labels[:50], 16, 1, 0),
+                                   batch_size=16)
+found = {}
+for name, loader in (("train", train), ("eval", test)):
+    for batch in topo.loader(loader):
+        found[name] = {k: [torch_xla._XLAC._get_xla_sharding_spec(t), list(t.shape)]
+                       for k, t in batch.items()}
+print(json.dumps(found))
+"""
+
+
+def test_spmd_loader_shards_every_field_along_the_batch(tmp_path):
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
+    env.pop("CPU_NUM_DEVICES", None)
+    r = subprocess.run([sys.executable, "-c", SHARDING_SCRIPT], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    # Each field split 4 ways along dim 0 (a replicated label would read "{replicated}"): each
+    # device then holds the labels and valid flags of its own quarter of the images.
+    along_batch = {"image": "{devices=[4,1,1,1]0,1,2,3}", "label": "{devices=[4]0,1,2,3}",
+                   "valid": "{devices=[4]0,1,2,3}"}
+    assert found["train"] == {"image": [along_batch["image"], [16, 1, 28, 28]],
+                              "label": [along_batch["label"], [16]]}
+    assert found["eval"] == {k: [spec, [16, 1, 28, 28] if k == "image" else [16]]
+                             for k, spec in along_batch.items()}
+
+
+SAVE_FAILURE_SCRIPT = r"""
+import io, json, os, sys
+import torch
+import torch.distributed.checkpoint as dcp
+import train_tpu as tt
+out = sys.argv[1]
+real_save, real_dcp_save = torch.save, dcp.save
+
+
+def half_written_save(obj, f, *args, **kwargs):  # a full disk or a kill, half-way through
+    buffer = io.BytesIO()
+    real_save(obj, buffer)
+    with open(f, "wb") as g:
+        g.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+    raise OSError("No space left on device")
+
+
+def half_written_dcp_save(state, *, storage_writer, **kwargs):
+    real_dcp_save(state, storage_writer=storage_writer, **kwargs)
+    os.remove(storage_writer.path / ".metadata")  # DCP writes it last: not reached
+    for shard in storage_writer.path.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    raise OSError("No space left on device")
+
+
+def checkpoint(next_epoch, seed):
+    torch.manual_seed(seed)
+    model = tt.ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    args = tt.parse_args(["--data", "synthetic"])
+    return tt.checkpoint_dict(model, optimizer, next_epoch, args, 1.0, 50.0, "CPU")
+
+
+def failing(module, name, fake, save, *args):
+    real = getattr(module, name)
+    setattr(module, name, fake)
+    try:
+        save(*args)
+    except OSError:
+        return "raised"
+    finally:
+        setattr(module, name, real)
+    return "returned"
+
+
+raised = {}
+os.makedirs(out + "/xm")
+tt.save_checkpoint(checkpoint(2, seed=0), out + "/xm", False)  # the last good one
+raised["xm"] = failing(torch, "save", half_written_save, tt.save_checkpoint,
+                       checkpoint(3, seed=1), out + "/xm", False)
+os.makedirs(out + "/spmd")
+tt.save_spmd_checkpoint(checkpoint(2, seed=0), out + "/spmd")  # epoch-0001
+# The same epoch saved again (a resumed conversion does that), then the next epoch.
+for label, next_epoch in (("spmd same epoch", 2), ("spmd next epoch", 3)):
+    raised[label] = failing(dcp, "save", half_written_dcp_save, tt.save_spmd_checkpoint,
+                            checkpoint(next_epoch, seed=1), out + "/spmd")
+print(json.dumps(raised))
+"""
+
+
+def test_a_save_that_fails_midway_leaves_the_last_good_checkpoint(tmp_path):
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
+    env.pop("CPU_NUM_DEVICES", None)
+    r = subprocess.run([sys.executable, "-c", SAVE_FAILURE_SCRIPT, str(tmp_path)], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    # The failure reaches the caller: a run never reports a save that did not happen.
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        "xm": "raised", "spmd same epoch": "raised", "spmd next epoch": "raised"}
+    torch.manual_seed(0)
+    good = tt.ToyModel().state_dict()  # the weights of the last good save
+    for run, kind, name in (("xm", "xm.save", "checkpoint.pt"),
+                            ("spmd", "spmd", os.path.join("checkpoint-spmd", "epoch-0001"))):
+        # --resume RUN_DIR still finds the last good checkpoint, intact, and nothing newer.
+        assert tt.find_checkpoint(str(tmp_path / run)) == (kind, str(tmp_path / run / name))
+        ckpt = final_weights(tmp_path / run)
+        assert ckpt["epoch"] == 2, run
+        for k, w in good.items():
+            assert torch.equal(ckpt["model"][k], w), (run, k)
+
+
+@pytest.mark.parametrize("world, batch", [(1, 16), (2, 7), (3, 64)])
+def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, batch):
+    n = 101  # leaves padding at every one of these world sizes and batch sizes
+    images, _ = tt.synthetic_digits(n, 21)
+    torch.manual_seed(0)
+    model = tt.ToyModel()
+    with torch.no_grad():
+        predicted = model(images).argmax(1)
+    # Two labellings: every prediction right, and one in three right. Sample 0 (the padding
+    # repeats it) is right in both, so counting the padding would inflate the accuracy.
+    one_in_three = torch.where(torch.arange(n) % 3 == 0, predicted, (predicted + 1) % 10)
+    for labels, right in ((predicted, n), (one_in_three, len(range(0, n, 3)))):
+        with torch.no_grad():  # the reference: plain PyTorch over the unpadded test set
+            expected_loss = F.cross_entropy(model(images), labels).item()
+        loss_sum = correct = count = 0.0
+        for rank in range(world):
+            shard = tt.eval_shard(images, labels, batch, world, rank)
+            assert len(shard) > len(range(rank, n, world))  # this shard is padded
+            loss, accuracy, counted = tt.evaluate(model, DataLoader(shard, batch_size=batch))
+            assert counted == len(range(rank, n, world))  # its own samples, no padding
+            assert 0.0 <= accuracy <= 100.0
+            loss_sum, correct, count = (loss_sum + loss * counted,
+                                        correct + accuracy * counted / 100, count + counted)
+        assert count == n
+        assert abs(correct - right) < 1e-6  # 101 of 101, then 34 of 101
+        assert abs(loss_sum / n - expected_loss) < 1e-5
+
+
+def test_drop_patterns_follow_the_rule_and_change_every_step_and_epoch():
+    patterns = {}
+    for seed in (0, 1):
+        for epoch in (1, 2, 3):
+            for step in range(1, 16):
+                got = tt.drop_pattern(seed, epoch, step, 0.5)
+                assert got == independent_keep(seed, epoch, step, 0.5), (seed, epoch, step)
+                patterns[seed, epoch, step] = tuple(got)
+    # 90 steps, 90 different patterns: a key missing the step, epoch or seed would repeat some.
+    assert len(set(patterns.values())) == 90
+    assert len({sum(p) for p in patterns.values()}) > 8  # and the kept counts vary (recompiles)
+    assert tt.drop_pattern(4, 2, 9, 0.2) == independent_keep(4, 2, 9, 0.2)
