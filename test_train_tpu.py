@@ -769,7 +769,7 @@ def test_parent_exits_with_the_failing_replicas_code_and_line(monkeypatch, tmp_p
     from concurrent.futures.process import BrokenProcessPool
 
     def spawn(fn, args, nprocs):  # what xmp.spawn does when one replica process dies
-        with open(args[-1], "a") as f:
+        with open(os.environ[tt.FAILURE_FILE], "a") as f:
             f.write(json.dumps([5, "replica 3: failed: smoke verdict FAIL: learning"]) + "\n")
         raise BrokenProcessPool("a child process terminated abruptly")
 
@@ -777,6 +777,7 @@ def test_parent_exits_with_the_failing_replicas_code_and_line(monkeypatch, tmp_p
     with pytest.raises(tt.TrainingFailed) as e:
         tt.spawn_replicas(None, "TPU", 8)
     assert e.value.code == 5 and str(e.value) == "replica 3: failed: smoke verdict FAIL: learning"
+    assert tt.FAILURE_FILE not in os.environ
 
 
 def test_smoke_check_that_stalls_fails_by_name_within_its_deadline(tmp_path):

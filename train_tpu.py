@@ -1305,7 +1305,7 @@ class Watchdog:
 
     A hung collective or compile cannot be interrupted from Python. When a deadline passes,
     this thread marks that check FAIL, prints the verdict with what did finish, and ends the
-    process with exit 5 (xmp.spawn's pool then ends the other replicas: stop_every_replica).
+    process with exit 5 (xmp.spawn's pool then ends the other replicas: end_this_replica).
     The deadlines are generous for a TPU's first compiles; --deadline-scale multiplies them.
     """
 
@@ -1336,9 +1336,8 @@ class Watchdog:
                 self.verdict.add(name, False, f"did not finish within {seconds:.0f} s (a hang? "
                                  "more time: --deadline-scale)")
                 self.verdict.publish(self.args)
-                print(f"train_tpu.py: failed: smoke verdict FAIL: {name} did not finish",
-                      file=sys.stderr, flush=True)
-                os._exit(EXIT_SMOKE_FAILED)
+                end_this_replica(EXIT_SMOKE_FAILED,
+                                 f"failed: smoke verdict FAIL: {name} did not finish")
 
 
 def check_devices(verdict, topo, args, device_kind):
@@ -1605,30 +1604,33 @@ def resume(model, optimizer, test, topo, args, device_kind):
     return start_epoch, accuracy
 
 
-def _mp_fn(index, args, device_kind, failure_file):
+def _mp_fn(index, args, device_kind):
     """xmp.spawn's entry: called once per replica with its index."""
     try:
         run_training(args, device_kind)
     except BaseException as e:
         if xr.world_size() == 1:
             raise  # the only replica, in this process: main() or fit() reports it
-        stop_every_replica(e, failure_file)
+        code, line = describe(e)
+        end_this_replica(code, f"replica {xr.global_ordinal()}: {line}")
 
 
-def stop_every_replica(error, failure_file):
+FAILURE_FILE = "TRAIN_TPU_FAILURE_FILE"  # environment variable: where a replica leaves its line
+
+
+def end_this_replica(code, line):
     """Ends the whole run when one replica fails, instead of a hang.
 
     A replica that stops alone leaves the others blocked in their next all-reduce, and
     xmp.spawn waits for them for ever. So the failing replica records its exit code and line
-    in `failure_file` and ends its process at once; xmp.spawn's process pool then terminates
-    the other replicas and raises in the parent (concurrent.futures.ProcessPoolExecutor on a
-    worker that dies; torch_xla/_internal/pjrt.py run_multiprocess), which reads the file.
+    in the parent's failure file and ends its process at once; xmp.spawn's process pool then
+    terminates the other replicas and raises in the parent (concurrent.futures'
+    ProcessPoolExecutor on a worker that dies; torch_xla/_internal/pjrt.py run_multiprocess).
     """
-    code, line = describe(error)
-    line = f"replica {xr.global_ordinal()}: {line}"
-    with open(failure_file, "a") as f:
-        f.write(json.dumps([code, line]) + "\n")
-    if multiprocessing.parent_process() is None:  # no parent to report it: say it here
+    if os.environ.get(FAILURE_FILE):
+        with open(os.environ[FAILURE_FILE], "a") as f:
+            f.write(json.dumps([code, line]) + "\n")
+    if multiprocessing.parent_process() is None:  # no parent process to report it: say it here
         print(f"train_tpu.py: {line}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1638,10 +1640,11 @@ def stop_every_replica(error, failure_file):
 def spawn_replicas(args, device_kind, cores):
     handle, failures = tempfile.mkstemp(prefix="train_tpu-failure-", suffix=".jsonl")
     os.close(handle)
+    os.environ[FAILURE_FILE] = failures  # the replica processes inherit it
     try:
         # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
         # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
-        xmp.spawn(_mp_fn, args=(args, device_kind, failures), nprocs=1 if cores == 1 else None)
+        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
     except Exception:
         with open(failures) as f:
             first = f.readline()
@@ -1650,6 +1653,7 @@ def spawn_replicas(args, device_kind, cores):
         code, line = json.loads(first)
         raise TrainingFailed(line, code) from None
     finally:
+        del os.environ[FAILURE_FILE]
         os.remove(failures)
 
 
