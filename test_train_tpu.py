@@ -215,7 +215,7 @@ def test_checkpoints_move_between_static_and_dynamic_but_not_off(tmp_path, capsy
     model = tt.ToyModel("static")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     static_args = tt.parse_args(["--layerdrop", "static", "--data", "synthetic"])
-    ckpt = tt.checkpoint_dict(model, optimizer, 2, static_args, 1.0, 50.0, "CPU")
+    ckpt = tt.checkpoint_dict(model, optimizer, (2, 0), static_args, 1.0, 50.0, "CPU")
     torch.save(ckpt, tmp_path / "static.pt")
     directory = tmp_path / "spmd"
     with tt._quiet_dcp_warnings():
@@ -277,7 +277,7 @@ def test_history_survives_a_torn_line(tmp_path):
     log.write(kind="log", epoch=2, step=1, loss=0.5, losses=[0.5])
     with open(log.path, "a") as f:
         f.write('{"kind": "log", "epo')  # a kill in the middle of a write
-    log.keep_epochs_before(2)
+    log.keep_before(2)
     history, epochs = tt.read_history(str(tmp_path))
     assert [h["loss"] for h in history] == [2.0, 1.0] and [e["epoch"] for e in epochs] == [1]
 
@@ -293,7 +293,7 @@ def test_damaged_checkpoints_exit_2(tmp_path, capsys):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     args = tt.parse_args(["--layerdrop", "static", "--data", "synthetic"])
     good = tmp_path / "layerdrop.pt"
-    torch.save(tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0, "CPU"), good)
+    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, 1.0, 50.0, "CPU"), good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:3000])
     empty_dir = tmp_path / "empty"
@@ -482,7 +482,7 @@ def test_damaged_spmd_checkpoint_exits_2(tmp_path, capsys):
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     args = tt.parse_args(["--data", "synthetic"])
-    ckpt = tt.checkpoint_dict(model, optimizer, 2, args, 1.0, 50.0, "CPU")
+    ckpt = tt.checkpoint_dict(model, optimizer, (2, 0), args, 1.0, 50.0, "CPU")
     directory = tmp_path / "ckpt"
     with tt._quiet_dcp_warnings():
         dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(str(directory)))
@@ -818,9 +818,9 @@ def test_only_host_0_touches_the_out_dir(tmp_path):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("{}\n")
     args = tt.parse_args(["--out-dir", str(run_dir), "--overwrite"])
-    tt.prepare_out_dir(args, 1, writer=False)  # host 1 of a pod: leaves it alone
+    tt.prepare_out_dir(args, (1, 0), writer=False)  # host 1 of a pod: leaves it alone
     assert (run_dir / "metrics.jsonl").exists()
-    tt.prepare_out_dir(args, 1, writer=True)  # host 0: deletes the earlier run
+    tt.prepare_out_dir(args, (1, 0), writer=True)  # host 0: deletes the earlier run
     assert not (run_dir / "metrics.jsonl").exists()
 
 
@@ -1023,7 +1023,7 @@ def checkpoint(next_epoch, seed):
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     args = tt.parse_args(["--data", "synthetic"])
-    return tt.checkpoint_dict(model, optimizer, next_epoch, args, 1.0, 50.0, "CPU")
+    return tt.checkpoint_dict(model, optimizer, (next_epoch, 0), args, 1.0, 50.0, "CPU")
 
 
 def failing(module, name, fake, save, *args):
@@ -1040,15 +1040,15 @@ def failing(module, name, fake, save, *args):
 
 raised = {}
 os.makedirs(out + "/xm")
-tt.save_checkpoint(checkpoint(2, seed=0), out + "/xm", False)  # the last good one
+tt.save_checkpoint(checkpoint(2, seed=0), out + "/xm", False, 1)  # the last good one
 raised["xm"] = failing(torch, "save", half_written_save, tt.save_checkpoint,
-                       checkpoint(3, seed=1), out + "/xm", False)
+                       checkpoint(3, seed=1), out + "/xm", False, 2)
 os.makedirs(out + "/spmd")
-tt.save_spmd_checkpoint(checkpoint(2, seed=0), out + "/spmd")  # epoch-0001
+tt.save_spmd_checkpoint(checkpoint(2, seed=0), out + "/spmd", 1)  # epoch-0001
 # The same epoch saved again (a resumed conversion does that), then the next epoch.
 for label, next_epoch in (("spmd same epoch", 2), ("spmd next epoch", 3)):
     raised[label] = failing(dcp, "save", half_written_dcp_save, tt.save_spmd_checkpoint,
-                            checkpoint(next_epoch, seed=1), out + "/spmd")
+                            checkpoint(next_epoch, seed=1), out + "/spmd", 2)
 print(json.dumps(raised))
 """
 

@@ -58,6 +58,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -199,6 +200,10 @@ def build_parser():
                      help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
     out.add_argument("--overwrite", action="store_true",
                      help="start clean in an --out-dir that already holds a run (deletes it)")
+    out.add_argument("--save-steps", type=int, default=None, metavar="N",
+                     help="also checkpoint every N training steps (default: at epoch ends only)")
+    out.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                     help="checkpoints kept in --out-dir, the newest always among them")
     out.add_argument("--resume", default=None, metavar="PATH",
                      help="continue from a checkpoint: an xm.save file or an SPMD directory")
     out.add_argument("--export", default=None, metavar="FILE",
@@ -232,6 +237,9 @@ def parse_args(argv=None):
     positive("epochs", args.epochs)
     positive("batch-size", args.batch_size)
     positive("log-steps", args.log_steps)
+    positive("keep-checkpoints", args.keep_checkpoints)
+    if args.save_steps is not None:
+        positive("save-steps", args.save_steps)
     if args.steps_per_epoch is not None:
         positive("steps-per-epoch", args.steps_per_epoch)
     if args.cores is not None:
@@ -431,13 +439,15 @@ class Topology:
         """More replicas than devices: only the test suite's emulated world (README) does that."""
         return not self.spmd and self.world > xr.global_runtime_device_count()
 
-    def agree_max(self, value):
-        """The largest `value` over all replicas, so that every replica takes the same decision:
-        one that stops alone leaves the others waiting in their next all-reduce for ever."""
+    def agree_max(self, *values):
+        """The largest of each value over all replicas, so that every replica takes the same
+        decision: one that stops alone leaves the others waiting in their next all-reduce."""
         if self.spmd or self.world == 1:
-            return value
-        shared = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([float(value)], device=self.device))
-        return int(shared.cpu())  # deliberate sync, once per epoch
+            return values
+        torch_xla.sync()  # cut the step's graph where the loader would: the same graphs
+        shared = xm.all_reduce(xm.REDUCE_MAX, torch.tensor(values, dtype=torch.float32,
+                                                           device=self.device))
+        return tuple(int(v) for v in shared.cpu())  # deliberate sync, at boundaries only
 
     def loader(self, loader):
         """MpDeviceLoader: overlaps the host-to-device copy with the step, and cuts the graph."""
@@ -628,20 +638,23 @@ def load_split(args, train):
     return normalise(mnist.data.float() / 255.0), mnist.targets
 
 
-class FirstBatches(torch.utils.data.Sampler):
-    """The first `limit` samples of each epoch's shuffle (--steps-per-epoch)."""
+class EpochWindow(torch.utils.data.Sampler):
+    """Part of each epoch's shuffle: --steps-per-epoch cuts its end; a run resumed in the
+    middle of an epoch skips the samples already trained on (same order, so the rest is
+    exactly what the interrupted run would have seen)."""
 
-    def __init__(self, sampler, limit):
-        self.sampler, self.limit = sampler, limit
+    def __init__(self, sampler, stop=None):
+        self.sampler, self.start, self.stop = sampler, 0, stop
 
     def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.limit)
+        return itertools.islice(iter(self.sampler), self.start, self.stop)
 
     def __len__(self):
-        return min(self.limit, len(self.sampler))
+        return max(0, min(self.stop or len(self.sampler), len(self.sampler)) - self.start)
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, start=0):
         self.sampler.set_epoch(epoch)
+        self.start = start
 
 
 def train_loader(images, labels, batch_size, world, rank, seed, num_workers, max_steps=None):
@@ -649,8 +662,7 @@ def train_loader(images, labels, batch_size, world, rank, seed, num_workers, max
     dataset = Examples(image=images, label=labels)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)
-    if max_steps:
-        sampler = FirstBatches(sampler, max_steps * batch_size)
+    sampler = EpochWindow(sampler, max_steps * batch_size if max_steps else None)
     # drop_last: every step has one shape, so the last partial batch does not compile a graph.
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                         num_workers=num_workers)
@@ -819,16 +831,17 @@ def evaluate_on_cpu(model_state, args):
 # one it is given and says so.
 
 
-def checkpoint_dict(model, optimizer, next_epoch, args, test_loss, accuracy, device_kind):
+def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, device_kind):
+    """position: where training continues, (epoch, steps of it already done)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "epoch": next_epoch, "variant": variant(args.layerdrop),
+            "epoch": position[0], "step": position[1], "variant": variant(args.layerdrop),
             "config": {k: getattr(args, k) for k in RESUMED_SETTINGS},
             "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind}
 
 
-def save_checkpoint(ckpt, out_dir, spmd):
+def save_checkpoint(ckpt, out_dir, spmd, keep):
     if spmd:
-        return save_spmd_checkpoint(ckpt, out_dir)
+        return save_spmd_checkpoint(ckpt, out_dir, keep)
     path = os.path.join(out_dir, "checkpoint.pt")
     tmp = path + ".tmp"
     # Every replica calls xm.save; only the global master moves the tensors to the host and
@@ -838,16 +851,31 @@ def save_checkpoint(ckpt, out_dir, spmd):
     # fallback accounting counts (xla_rendezvous in torch_xla/core/xla_model.py, 2.9).
     xm.save(ckpt, tmp, master_only=True, global_master=True)
     if is_master():
+        if keep > 1 and os.path.exists(path):  # the one replaced stays, named by its position
+            old = load_file_checkpoint(path, mmap=True)
+            os.replace(path, os.path.join(out_dir, f"checkpoint-{position_name(old)}.pt"))
         os.replace(tmp, path)
+        older = sorted((n for n in os.listdir(out_dir) if n.startswith("checkpoint-epoch-")),
+                       key=lambda n: n[:-len(".pt")])  # by position: "-step" sorts after "-0001"
+        for name in older[:max(0, len(older) - (keep - 1))]:
+            os.remove(os.path.join(out_dir, name))
     return path
 
 
-def save_spmd_checkpoint(ckpt, out_dir):
+def position_name(ckpt):
+    """epoch-0002 after epoch 2; epoch-0002-step-000050 after 50 steps of epoch 3. Names sort
+    in the order the checkpoints were taken."""
+    name = f"epoch-{ckpt['epoch'] - 1:04d}"
+    return name + (f"-step-{ckpt['step']:06d}" if ckpt.get("step") else "")
+
+
+def save_spmd_checkpoint(ckpt, out_dir, keep):
     import torch.distributed.checkpoint as dcp
     import torch_xla.experimental.distributed_checkpoint as xc
 
     root = os.path.join(out_dir, "checkpoint-spmd")
-    final = os.path.join(root, f"epoch-{ckpt['epoch'] - 1:04d}")
+    name = position_name(ckpt)
+    final = os.path.join(root, name)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with _quiet_dcp_warnings():
@@ -855,13 +883,16 @@ def save_spmd_checkpoint(ckpt, out_dir):
     # The plain fields again, readable without loading the shards (and by people: cat it).
     with open(os.path.join(tmp, "train_tpu.json"), "w") as f:
         json.dump({k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}, f, indent=1)
-    if os.path.exists(final):  # the same epoch saved again: keep the old one until replaced
+    if os.path.exists(final):  # the same position saved again: keep the old one until replaced
         os.replace(final, final + ".old")
     os.replace(tmp, final)
-    name = os.path.basename(final)
-    for old in os.listdir(root):  # drop what this one supersedes; never a later epoch
-        if old.startswith("epoch-") and old != name and old[:len(name)] <= name:
-            shutil.rmtree(os.path.join(root, old))
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    # Keep the newest `keep` up to this one; never one taken later (a run resumed from further
+    # back must not delete what it has not reached).
+    done = sorted(d for d in os.listdir(root) if d.startswith("epoch-") and d <= name
+                  and not d.endswith((".tmp", ".old")))
+    for old in done[:max(0, len(done) - keep)]:
+        shutil.rmtree(os.path.join(root, old))
     return final
 
 
@@ -895,30 +926,34 @@ def find_checkpoint(path):
             found += [("spmd", os.path.join(root, d)) for d in os.listdir(root)
                       if d.startswith("epoch-") and not d.endswith(".tmp")
                       and os.path.isfile(os.path.join(root, d, ".metadata"))]
-    if os.path.isfile(os.path.join(path, "checkpoint.pt")):
-        found.append(("xm.save", os.path.join(path, "checkpoint.pt")))
+    if os.path.isdir(path):  # checkpoint.pt, and older ones kept by --keep-checkpoints
+        found += [("xm.save", os.path.join(path, n)) for n in os.listdir(path)
+                  if n == "checkpoint.pt" or (n.startswith("checkpoint-epoch-") and
+                                              n.endswith(".pt"))]
     if not found:
         raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
                          "nor an SPMD directory with a .metadata file)")
-    return max(found, key=lambda kind_where: (_saved_epoch(*kind_where),
+    return max(found, key=lambda kind_where: (_saved_position(*kind_where),
                                               os.path.getmtime(kind_where[1])))
 
 
-def _saved_epoch(kind, where):
-    """The epoch a checkpoint continues at, read cheaply; -1 if it cannot be read."""
+def _saved_position(kind, where):
+    """(epoch, step) a checkpoint continues at, read cheaply; (-1, 0) if it cannot be read."""
     try:
         if kind == "xm.save":
-            return load_file_checkpoint(where, mmap=True)["epoch"]
-        with open(os.path.join(where, "train_tpu.json")) as f:
-            return json.load(f)["epoch"]
+            plain = load_file_checkpoint(where, mmap=True)
+        else:
+            with open(os.path.join(where, "train_tpu.json")) as f:
+                plain = json.load(f)
+        return plain["epoch"], plain.get("step", 0)
     except (UsageError, OSError, ValueError, KeyError):
-        return -1
+        return -1, 0
 
 
 def inspect_checkpoint(path, args):
     """Checks --resume in the parent, before any device starts: fail fast, with one line.
 
-    Returns the epoch it continues at. A file is opened lazily (mmap), so a large one is not
+    Returns the (epoch, step) it continues at. A file is opened lazily (mmap), so a large one is not
     read twice; an SPMD directory is checked against its own metadata: every shard file it
     names must exist and be long enough, so an interrupted copy is caught here, not halfway
     through loading.
@@ -945,7 +980,7 @@ def inspect_checkpoint(path, args):
                              "checkpoint is incomplete")
     apply_saved_settings(plain, args)
     check_variant(plain, args, where)
-    return plain["epoch"]
+    return plain["epoch"], plain.get("step", 0)
 
 
 def apply_saved_settings(ckpt, args):
@@ -1047,7 +1082,9 @@ def load_spmd_in_place(model, optimizer, directory, args):
         if group["momentum"] != 0:  # without momentum SGD keeps no state at all
             for p in group["params"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    ckpt = checkpoint_dict(model, optimizer, 0, args, 0.0, 0.0, "")
+    ckpt = checkpoint_dict(model, optimizer, (0, 0), args, 0.0, 0.0, "")
+    if "step" not in read_spmd_metadata(directory).state_dict_metadata:
+        del ckpt["step"]  # saved before mid-epoch checkpoints existed: at an epoch's end
     try:
         with _quiet_dcp_warnings():
             dcp.load(ckpt, storage_reader=dcp.FileSystemReader(directory),
@@ -1115,14 +1152,20 @@ class RunLog:
     def __init__(self, out_dir):
         self.path = os.path.join(out_dir, "metrics.jsonl")
 
-    def keep_epochs_before(self, epoch):
-        """A resumed run continues its history: lines of the epochs it is about to run again
-        (cut short by the interruption) are dropped, and so is a line torn by a kill. Runs in
-        the parent, before any replica starts, so no replica can stall on a bad file."""
+    def keep_before(self, epoch, step=0):
+        """A resumed run continues its history: lines past the checkpoint's position (steps it
+        is about to run again) are dropped, and so is a line torn by a kill. Runs in the
+        parent, before any replica starts, so no replica can stall on a bad file."""
         if not os.path.exists(self.path):
             return
+
+        def before(r):
+            if r["kind"] == "log":
+                return (r["epoch"], r["step"]) <= (epoch, step)
+            return r["epoch"] < epoch
+
         with open(self.path) as f:
-            kept = [line for line in f if _parse(line) and _parse(line)["epoch"] < epoch]
+            kept = [line for line in f if _parse(line) and before(_parse(line))]
         with open(self.path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(self.path + ".tmp", self.path)
@@ -1140,8 +1183,10 @@ class EpochMeter:
     step's graph has been launched: the hot loop itself never waits for the device.
     """
 
-    def __init__(self, epoch, steps, global_batch, topo, log, progress, quiet=False):
+    def __init__(self, epoch, steps, global_batch, topo, log, progress, quiet=False, start=0):
         self.epoch, self.steps, self.global_batch = epoch, steps, global_batch
+        self.start = start  # steps of this epoch done before (a run resumed mid-epoch)
+        self.warm = start + WARMUP_STEPS  # the steps up to here compile: not timed
         self.devices, self.unit = topo.devices, "device" if topo.spmd else "replica"
         self.log, self.progress, self.quiet = log, progress, quiet
         self.times = {}  # step -> when its loss reached the host
@@ -1154,7 +1199,7 @@ class EpochMeter:
         self.times[step] = now
         self.losses += values
         rate = None
-        if step > WARMUP_STEPS:
+        if step > self.warm:
             since = max(s for s in self.times if s < step)
             rate = (step - since) * self.global_batch / (now - self.times[since])
         if self.quiet:
@@ -1171,10 +1216,10 @@ class EpochMeter:
 
     def samples_per_s(self):
         """Throughput of the epoch, its first WARMUP_STEPS steps (and their compiles) left out."""
-        if self.steps <= WARMUP_STEPS:
+        if self.steps <= self.warm:
             return None
-        elapsed = self.times[self.steps] - self.times[WARMUP_STEPS]
-        return (self.steps - WARMUP_STEPS) * self.global_batch / elapsed
+        elapsed = self.times[self.steps] - self.times[self.warm]
+        return (self.steps - self.warm) * self.global_batch / elapsed
 
 
 class ProgressBar:
@@ -1466,21 +1511,63 @@ def finish_verdict(verdict, watch, model, optimizer, args, topo, counter, losses
 # ---- the per-replica training function -------------------------------------------------------
 
 
-def train_epoch(model, optimizer, loader, args, epoch, topo, meter):
-    """TRAINING: nothing in this loop waits for the device; the step closures read the loss."""
+def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=None):
+    """TRAINING: nothing in this loop waits for the device; the step closures read the loss.
+
+    At each boundary (every --log-steps and --save-steps step) at_boundary(step) may save a
+    checkpoint or stop the run; every replica reaches the same boundaries.
+    """
     pending = []
-    for step, batch in enumerate(topo.loader(loader), 1):
+    for step, batch in enumerate(topo.loader(loader), meter.start + 1):
         keep = layerdrop_keep(model, args, epoch, step, topo.device)
         pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
                                   topo.spmd))
-        if step % args.log_steps == 0 or step in (WARMUP_STEPS, len(loader)):
+        if (step % args.log_steps == 0 or step in (meter.warm, meter.steps)
+                or (args.save_steps and step % args.save_steps == 0)):
             xm.add_step_closure(meter.fetch, args=(step, pending))
             pending = []
+            if at_boundary and step < meter.steps:  # the epoch's end has its own checkpoint
+                at_boundary(step)
     if meter.progress:
         meter.progress.close()
 
 
-def run_training(args, device_kind, mesh=None):
+class StopSignal:
+    """SIGTERM (a preemption notice) or Ctrl-C: noted, then acted on at the next boundary.
+
+    The loop finishes the step in flight; at the next --log-steps or --save-steps boundary the
+    replicas agree to stop (one that stopped alone would hang the others), save, and exit
+    128 + the signal's number. A second signal stops at once. Python lets only a process's
+    main thread install handlers: TPU v2/v3 replicas, threads, keep the default.
+    """
+
+    def __init__(self):
+        self.signum, self.saved = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.saved[signum] = signal.signal(signum, self._note)
+        return self
+
+    def _note(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+
+
+def stopped(signum, position, args):
+    name = signal.Signals(signum).name
+    return TrainingFailed(f"stopped by {name} at epoch {position[0]} step {position[1]}, "
+                          f"checkpoint saved; continue with --resume {args.out_dir}",
+                          128 + signum)
+
+
+def run_training(args, device_kind, stop, mesh=None):
     """Everything one replica does; the SPMD path runs it once, over the whole mesh."""
     verdict = Verdict() if args.smoke else None
     watch = Watchdog(verdict, args)  # with --smoke: every stage below has a deadline
@@ -1529,28 +1616,43 @@ def run_training(args, device_kind, mesh=None):
         with watch.deadline("numerics", 300):
             check_numerics(verdict, model, images[:load_batch], labels[:load_batch], topo,
                            device_kind, args)
-    start_epoch, accuracy = 1, None
+    start, accuracy = (1, 0), None  # (epoch, steps of it done)
     if args.resume:
-        start_epoch, accuracy = resume(model, optimizer, test, topo, args, device_kind)
+        start, accuracy = resume(model, optimizer, test, topo, args, device_kind)
+
+    def save(position):
+        test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
+        path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, test_loss,
+                                               accuracy, device_kind),
+                               args.out_dir, topo.spmd, args.keep_checkpoints)
+        return path, test_loss, accuracy, counted
+
+    def at_boundary(step):
+        signum = topo.agree_max(stop.signum)[0]  # every replica stops here, or none does
+        if signum or (args.save_steps and step % args.save_steps == 0):
+            torch_xla.sync()  # the step and its log line first: metrics.jsonl never lags
+            save((epoch, step))
+        if signum:
+            raise stopped(signum, (epoch, step), args)
 
     log, counter = RunLog(args.out_dir), CompileCounter()
     losses, rate, path, compiles = [], None, None, None
-    for epoch in range(start_epoch, args.epochs + 1):
-        first = epoch == start_epoch
+    steps = len(loader)
+    for epoch in range(start[0], args.epochs + 1):
+        first, skip = epoch == start[0], start[1] if epoch == start[0] else 0
         counter.start_epoch()
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
-        meter = EpochMeter(epoch, len(loader), global_batch, topo, log, ProgressBar.create())
+        # A new shuffle each epoch, the same on every replica; resumed mid-epoch, its rest.
+        sampler.set_epoch(epoch, start=skip * load_batch)
+        meter = EpochMeter(epoch, steps, global_batch, topo, log, ProgressBar.create(),
+                           start=skip)
         started = time.perf_counter()
-        with watch.deadline("training", 300 + 2 * len(loader)):  # compiles, steps, eval, save
-            train_epoch(model, optimizer, loader, args, epoch, topo, meter)
+        with watch.deadline("training", 300 + 2 * steps):  # compiles, steps, eval, save
+            train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary)
             losses += meter.losses
-            test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
-            path = save_checkpoint(checkpoint_dict(model, optimizer, epoch + 1, args, test_loss,
-                                                   accuracy, device_kind),
-                                   args.out_dir, topo.spmd)
+            path, test_loss, accuracy, counted = save((epoch + 1, 0))
         # The replicas stop together or not at all. Agreed before end_epoch, so that the
         # agreement's own graph compiles within the warm-up.
-        recompiles = topo.agree_max(counter.recompiles_so_far())
+        recompiles, signum = topo.agree_max(counter.recompiles_so_far(), stop.signum)
         compiles = counter.end_epoch(first)
         rate = meter.samples_per_s()
         log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
@@ -1563,6 +1665,8 @@ def run_training(args, device_kind, mesh=None):
             print0(met.metrics_report())
         if is_master():
             write_plot(args.out_dir)
+        if signum:
+            raise stopped(signum, (epoch + 1, 0), args)
         if args.max_recompiles is not None and not args.smoke and recompiles > args.max_recompiles:
             raise TrainingFailed(
                 f"recompiled {recompiles} graphs after warm-up, more "
@@ -1584,30 +1688,32 @@ def run_training(args, device_kind, mesh=None):
 def resume(model, optimizer, test, topo, args, device_kind):
     """Loads --resume, proves it still computes its saved test loss, converts it if needed.
 
-    Returns (the epoch to start at, the checkpoint's accuracy).
+    Returns ((epoch, step) to continue at, the checkpoint's accuracy).
     """
     ckpt, converted = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
-    start_epoch = ckpt["epoch"]
+    position = ckpt["epoch"], ckpt.get("step", 0)
     loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
     compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
     if converted:
         # Write the conversion now, in this mode's format, before any training changes it.
-        path = save_checkpoint(checkpoint_dict(model, optimizer, start_epoch, args, loss,
+        path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, loss,
                                                accuracy, device_kind),
-                               args.out_dir, topo.spmd)
+                               args.out_dir, topo.spmd, args.keep_checkpoints)
         print0(f"resume | converted checkpoint saved as {path}")
-    if start_epoch > args.epochs:
-        print0(f"resume | nothing to train: the checkpoint finished epoch {start_epoch - 1}, "
+    if position[0] > args.epochs:
+        print0(f"resume | nothing to train: the checkpoint finished epoch {position[0] - 1}, "
                f"--epochs is {args.epochs}")
     else:
-        print0(f"resume | continuing at epoch {start_epoch} of {args.epochs}")
-    return start_epoch, accuracy
+        at = f" after step {position[1]}" if position[1] else ""
+        print0(f"resume | continuing at epoch {position[0]} of {args.epochs}{at}")
+    return position, accuracy
 
 
 def _mp_fn(index, args, device_kind):
     """xmp.spawn's entry: called once per replica with its index."""
     try:
-        run_training(args, device_kind)
+        with StopSignal() as stop:
+            run_training(args, device_kind, stop)
     except BaseException as e:
         if xr.world_size() == 1:
             raise  # the only replica, in this process: main() or fit() reports it
@@ -1644,7 +1750,8 @@ def spawn_replicas(args, device_kind, cores):
     try:
         # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
         # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
-        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
+        with StopSignal():  # the replicas act on SIGTERM / Ctrl-C; this process waits for them
+            xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
     except Exception:
         with open(failures) as f:
             first = f.readline()
@@ -1668,7 +1775,8 @@ def run_spmd(args, device_kind):
     xr.use_spmd()
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("data",))
-    run_training(args, device_kind, mesh)
+    with StopSignal() as stop:
+        run_training(args, device_kind, stop, mesh)
 
 
 # ---- benchmark: the article's recompilation, measured ----------------------------------------
@@ -1724,7 +1832,7 @@ class Result:
     verdict: dict = None  # with --smoke: the same verdict as the printed table
 
 
-def prepare_out_dir(args, resume_epoch, writer=True):
+def prepare_out_dir(args, resume_at, writer=True):
     """Resolves --out-dir; a fresh run never mixes its history with an earlier run's.
 
     Only host 0 (`writer`) touches the folder. On a pod slice with a shared --out-dir the
@@ -1748,7 +1856,8 @@ def prepare_out_dir(args, resume_epoch, writer=True):
             raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
                              "; continue it with --resume, pick another --out-dir, or pass "
                              "--overwrite to delete it and start clean")
-        for name in earlier + ["metrics.png", "verdict.json"]:
+        for name in earlier + ["metrics.png", "verdict.json"] + [
+                n for n in os.listdir(args.out_dir) if n.startswith("checkpoint-epoch-")]:
             target = os.path.join(args.out_dir, name)
             shutil.rmtree(target) if os.path.isdir(target) else (
                 os.path.exists(target) and os.remove(target))
@@ -1758,7 +1867,7 @@ def prepare_out_dir(args, resume_epoch, writer=True):
     except OSError as e:  # a file where a parent folder should be, no permission, ...
         raise UsageError(f"--out-dir {args.out_dir}: cannot create it ({e.strerror})")
     if args.resume:
-        RunLog(args.out_dir).keep_epochs_before(resume_epoch)
+        RunLog(args.out_dir).keep_before(*resume_at)
 
 
 def refuse_a_running_runtime(args, cores):
@@ -1780,7 +1889,7 @@ def run(args):
     check_versions(*installed_versions())
     device_kind, available = select_runtime()
     host, hosts = pod_hosts(device_kind)
-    resume_epoch = inspect_checkpoint(args.resume, args) if args.resume else 1  # settings too
+    resume_at = inspect_checkpoint(args.resume, args) if args.resume else (1, 0)  # and settings
     training = not (args.export or args.benchmark)
     cores = check_cores(args, device_kind, available, hosts) if training else 1
     if training:
@@ -1792,7 +1901,7 @@ def run(args):
     if args.benchmark == "layerdrop":
         benchmark_layerdrop(args, device_kind)
         return
-    prepare_out_dir(args, resume_epoch, writer=host == 0)
+    prepare_out_dir(args, resume_at, writer=host == 0)
     if args.spmd:
         run_spmd(args, device_kind)
     else:
