@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -1114,3 +1115,127 @@ def test_drop_patterns_follow_the_rule_and_change_every_step_and_epoch():
     assert len(set(patterns.values())) == 90
     assert len({sum(p) for p in patterns.values()}) > 8  # and the kept counts vary (recompiles)
     assert tt.drop_pattern(4, 2, 9, 0.2) == independent_keep(4, 2, 9, 0.2)
+
+
+# ---- preemption: step checkpoints, SIGTERM, kill -9, mid-epoch resume --------------------------
+
+PREEMPT = ["--data", "synthetic", "--epochs", 2, "--seed", 3]
+MODES = {"1core": ["--cores", 1, "--save-steps", 50], "spmd4": ["--spmd", "--cores", 4,
+                                                                 "--save-steps", 10]}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """The uninterrupted runs the interrupted ones must equal, one per mode."""
+    runs = {}
+    for mode, flags in MODES.items():
+        out = tmp_path_factory.mktemp(mode) / "run"
+        env = {"CPU_NUM_DEVICES": "4"} if "--spmd" in flags else None
+        r = run_cli(*PREEMPT, *flags, "--out-dir", out, cwd=out.parent, env=env)
+        assert r.returncode == 0, r.stderr
+        runs[mode] = out
+    return runs
+
+
+def interrupt(argv, when, signum, cwd):
+    """Runs train_tpu.py, sends `signum` once a stdout line starts with `when`; returns
+    (exit code, seconds from the signal to the exit, stderr)."""
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env.pop("CPU_NUM_DEVICES", None)
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train_tpu.py"), *map(str, argv)],
+                         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    for line in p.stdout:
+        if line.startswith(when):
+            p.send_signal(signum)
+            break
+    sent = time.monotonic()
+    _, err = p.communicate(timeout=300)
+    return p.returncode, time.monotonic() - sent, err
+
+
+def assert_same_run(a, b):
+    """Equal final weights, and metrics.jsonl with every step once, in order, same losses."""
+    wa, wb = final_weights(a), final_weights(b)
+    assert (wa["epoch"], wa["step"]) == (wb["epoch"], wb["step"]) == (3, 0)
+    for name, w in wa["model"].items():
+        assert (w - wb["model"][name]).abs().max() <= 1e-6, name
+    ha, hb = tt.read_history(str(a))[0], tt.read_history(str(b))[0]
+    assert [(h["epoch"], h["step"]) for h in hb] == [(h["epoch"], h["step"]) for h in ha]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(ha, hb)) <= 1e-6
+    assert [e["epoch"] for e in epochs_of(b)] == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["1core", "spmd4"])
+def test_sigterm_mid_epoch_saves_where_it_stopped_and_resume_is_exact(mode, straight_runs,
+                                                                      tmp_path):
+    flags, out = MODES[mode], tmp_path / "run"
+    spmd = ["--spmd", "--cores", 4] if mode == "spmd4" else []
+    when = "epoch 2 step 100" if mode == "1core" else "epoch 2 step 20"
+    code, seconds, err = interrupt([*PREEMPT, *flags, "--out-dir", out], when, signal.SIGTERM,
+                                   tmp_path)
+    assert code == 143 and seconds < 30, err
+    last = err.strip().splitlines()[-1]  # (SPMD runs print XLA's own warnings before it)
+    stopped_at = re.fullmatch(r"train_tpu.py: failed: stopped by SIGTERM at epoch 2 step (\d+), "
+                              rf"checkpoint saved; continue with --resume {re.escape(str(out))}",
+                              last)
+    assert stopped_at and "Traceback" not in err, err
+    step = int(stopped_at.group(1))
+    saved = final_weights(out)
+    assert (saved["epoch"], saved["step"]) == (2, step) and step < 234
+    r = run_cli("--resume", out, *spmd, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"continuing at epoch 2 of 2 after step {step}" in r.stdout
+    assert "| equal" in r.stdout  # the resume check: the saved test loss, reproduced
+    assert_same_run(straight_runs[mode], out)
+
+
+def test_kill_9_resumes_from_the_newest_step_checkpoint(straight_runs, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = interrupt([*PREEMPT, *MODES["1core"], "--out-dir", out], "epoch 2 step 60",
+                             signal.SIGKILL, tmp_path)
+    assert code == -signal.SIGKILL, err
+    saved = final_weights(out)
+    assert (saved["epoch"], saved["step"]) == (2, 50)  # saved at step 50, killed after 60
+    r = run_cli("--resume", out, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "continuing at epoch 2 of 2 after step 50" in r.stdout
+    assert_same_run(straight_runs["1core"], out)  # steps 51-60 logged once, not twice
+
+
+KEEP_SCRIPT = r"""
+import json, os, sys
+import train_tpu as tt
+held, real = [], tt.save_checkpoint
+def save(ckpt, out_dir, spmd, keep):
+    path = real(ckpt, out_dir, spmd, keep)
+    where = os.path.join(out_dir, "checkpoint-spmd") if spmd else out_dir
+    held.append(sorted(n for n in os.listdir(where) if n.startswith(("checkpoint", "epoch-"))
+                       and not n.endswith(".tmp")))
+    return path
+tt.save_checkpoint = save
+code = tt.main(sys.argv[1:])
+print(json.dumps(held))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("mode", ["1core", "spmd4"])
+def test_frequent_saves_keep_at_most_k_checkpoints(mode, tmp_path):
+    spmd = ["--spmd", "--cores", "4"] if mode == "spmd4" else ["--cores", "1"]
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
+    env.pop("CPU_NUM_DEVICES", None)
+    r = subprocess.run([sys.executable, "-c", KEEP_SCRIPT, *spmd, "--data", "synthetic",
+                        "--epochs", "2", "--steps-per-epoch", "30", "--save-steps", "10",
+                        "--keep-checkpoints", "2", "--out-dir", str(tmp_path / "run")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    held = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(held) == 6  # steps 10 and 20, then the end, of each of 2 epochs
+    assert max(len(h) for h in held) == 2 and [len(h) for h in held][:1] == [1]
+    # The newest is always kept: after the last save, the end of epoch 2 and the one before.
+    if mode == "spmd4":
+        assert held[-1] == ["epoch-0001-step-000020", "epoch-0002"]
+    else:
+        assert held[-1] == ["checkpoint-epoch-0001-step-000020.pt", "checkpoint.pt"]
+        assert final_weights(tmp_path / "run")["epoch"] == 3
