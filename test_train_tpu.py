@@ -1239,3 +1239,140 @@ def test_frequent_saves_keep_at_most_k_checkpoints(mode, tmp_path):
     else:
         assert held[-1] == ["checkpoint-epoch-0001-step-000020.pt", "checkpoint.pt"]
         assert final_weights(tmp_path / "run")["epoch"] == 3
+
+
+# ---- added: mutation-testing gaps (overwrite, throughput, resume check, numerics tolerance,
+# ---- checkpoint check, export check, verdict)
+
+
+def test_overwrite_deletes_every_artifact_of_the_earlier_run(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint-spmd" / "epoch-0001").mkdir(parents=True)
+    artifacts = ["metrics.jsonl", "checkpoint.pt", "metrics.png", "verdict.json"]
+    for name in artifacts:
+        (run_dir / name).write_text("earlier run")
+    args = tt.parse_args(["--out-dir", str(run_dir), "--overwrite"])
+    tt.prepare_out_dir(args, (1, 0))
+    # A verdict.json left behind would be read as this run's verdict (fit(smoke=True) does).
+    assert [n for n in artifacts + ["checkpoint-spmd"] if (run_dir / n).exists()] == []
+    assert run_dir.is_dir()
+
+
+def test_throughput_leaves_out_the_warmup_steps(monkeypatch):
+    # A fake clock: steps 1 and 2 take 10 s each (they compile), every later step 0.5 s.
+    clock = {"now": 0.0}
+    monkeypatch.setattr(tt.time, "perf_counter", lambda: clock["now"])
+    steps, global_batch = 10, 128
+    meter = tt.EpochMeter(1, steps, global_batch, tt.Topology("cpu", 1, 0, 1), None, None,
+                          quiet=True)
+    for step in range(1, steps + 1):
+        clock["now"] += 10.0 if step <= tt.WARMUP_STEPS else 0.5
+        meter.fetch(step, [torch.tensor(1.0)])
+    # Steps 3..10: 8 steps of 128 samples in 4 s. Counting all 10 steps would give 320.
+    assert meter.samples_per_s() == pytest.approx(8 * 128 / 4.0)
+    assert tt.EpochMeter(1, tt.WARMUP_STEPS, 128, tt.Topology("cpu", 1, 0, 1), None, None,
+                         quiet=True).samples_per_s() is None  # nothing left to time
+
+
+def test_resume_check_compares_the_test_loss(capsys):
+    args = tt.parse_args(["--data", "synthetic"])
+    ckpt = {"test_loss": 0.5, "accuracy": 90.0, "measured_on": "CPU",
+            "config": {"data": "synthetic", "data_dir": "data"}}
+    tt.compare_with_saved(ckpt, 0.5 + 5e-6, 90.0, args, "CPU", "resume check")  # within 1e-5
+    assert "| equal" in capsys.readouterr().out
+    # Same accuracy, a loss 1e-3 away: a different model, exit 4.
+    with pytest.raises(tt.TrainingFailed) as failed:
+        tt.compare_with_saved(ckpt, 0.5 + 1e-3, 90.0, args, "CPU", "resume check")
+    assert failed.value.code == 4
+    assert "| DIFFERENT" in capsys.readouterr().out
+    # Measured on a TPU: the tolerance is 2e-2 either side of it.
+    tpu = dict(ckpt, measured_on="TPU")
+    tt.compare_with_saved(tpu, 0.5 + 1e-2, 90.0, args, "CPU", "resume check")
+    with pytest.raises(tt.TrainingFailed):
+        tt.compare_with_saved(tpu, 0.5 + 3e-2, 90.0, args, "CPU", "resume check")
+
+
+def test_numerics_tolerance_follows_the_device_and_the_matmul_precision():
+    # README: 1e-5 on the CPU whatever the flag; on a TPU 5e-2, 1e-3, 1e-5.
+    for precision in ("default", "high", "highest"):
+        assert tt.numerics_tolerance("CPU", precision) == 1e-5
+    assert [tt.numerics_tolerance("TPU", p) for p in ("default", "high", "highest")] == [
+        5e-2, 1e-3, 1e-5]
+
+
+def test_checkpoint_check_compares_the_momentum_too(tmp_path):
+    torch.manual_seed(0)
+    model = tt.ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    images, labels = tt.synthetic_digits(32, 5)
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()  # creates the momentum buffers
+    args = tt.parse_args(["--data", "synthetic"])
+    path = tmp_path / "checkpoint.pt"
+    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, 1.0, 50.0, "CPU"), path)
+    verdict = tt.Verdict()
+    tt.check_checkpoint(verdict, model, optimizer, str(path))
+    assert verdict.checks[0]["passed"] is True and "8/8 tensors identical" in verdict.checks[0]["figure"]
+    # The weights still match the file; one momentum buffer no longer does.
+    first = next(iter(model.parameters()))
+    optimizer.state[first]["momentum_buffer"].add_(1e-3)
+    verdict = tt.Verdict()
+    tt.check_checkpoint(verdict, model, optimizer, str(path))
+    assert verdict.checks[0]["passed"] is False and "7/8 tensors identical" in verdict.checks[0]["figure"]
+
+
+def test_export_that_fails_its_check_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    torch.manual_seed(0)
+    model = tt.ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    args = tt.parse_args(["--data", "synthetic"])
+    loss, accuracy, _ = tt.evaluate_on_cpu(model.state_dict(), args)
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, loss, accuracy, "CPU"), good)
+    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, loss + 0.1, accuracy, "CPU"), bad)
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"an earlier export")
+    # A checkpoint that does not give its saved test loss: exit 4, the earlier file untouched.
+    assert tt.main(["--resume", str(bad), "--export", str(out)]) == 4
+    assert "export check" in capsys.readouterr().err
+    assert out.read_bytes() == b"an earlier export"
+    assert sorted(os.listdir(tmp_path)) == ["bad.pt", "good.pt", "model.pt"]  # no .tmp left
+    # The good one replaces it, and reads back as the same weights.
+    assert tt.main(["--resume", str(good), "--export", str(out)]) == 0
+    exported = torch.load(out, weights_only=True)
+    for name, t in model.state_dict().items():
+        assert torch.equal(exported["model"][name], t), name
+
+
+def test_verdict_fails_when_any_one_check_fails():
+    names = ["devices", "collectives", "numerics", "compilation", "throughput", "learning",
+             "checkpoint"]
+    for failing in names:
+        verdict = tt.Verdict()
+        for name in names:
+            verdict.add(name, name != failing, "figure")
+        assert verdict.passed is False, failing
+        assert f"smoke verdict: FAIL ({failing}), 6/7 checks passed" in verdict.table()
+    emulated = tt.Verdict()  # EMUL is neither: the rest decides
+    for name in names:
+        emulated.add(name, None if name in ("devices", "collectives") else True, "figure")
+    assert emulated.passed is True
+
+
+def test_resume_takes_unset_settings_from_the_checkpoint_and_keeps_given_ones(tmp_path, capsys):
+    model = tt.ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+    saved = tt.parse_args(["--data", "synthetic", "--lr", "0.01", "--momentum", "0.5",
+                           "--seed", "7", "--batch-size", "32", "--steps-per-epoch", "9"])
+    path = tmp_path / "checkpoint.pt"
+    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), saved, 1.0, 50.0, "CPU"), path)
+    args = tt.parse_args(["--resume", str(path), "--lr", "0.2", "--epochs", "4"])
+    assert tt.inspect_checkpoint(str(path), args) == (2, 0)
+    # Every setting not on this command line is the checkpoint's (a momentum left at the
+    # default 0.9 would train a different model than the one interrupted)...
+    assert (args.data, args.momentum, args.seed, args.batch_size, args.steps_per_epoch) == (
+        "synthetic", 0.5, 7, 32, 9)
+    # ...and the flags given now win.
+    assert (args.lr, args.epochs) == (0.2, 4)
+    assert "--momentum 0.5" in capsys.readouterr().out
