@@ -225,7 +225,7 @@ def test_checkpoints_move_between_static_and_dynamic_but_not_off(tmp_path, capsy
                                                          "variant": ckpt["variant"]}))
     for path in (tmp_path / "static.pt", directory):
         dynamic_args = tt.parse_args(["--resume", str(path), "--layerdrop", "dynamic"])
-        assert tt.inspect_checkpoint(str(path), dynamic_args) == 2  # accepted
+        assert tt.inspect_checkpoint(str(path), dynamic_args) == (2, 0)  # accepted
         assert tt.main(["--resume", str(path), "--layerdrop", "off"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "model variant 'toy-layerdrop'" in err
@@ -488,7 +488,7 @@ def test_damaged_spmd_checkpoint_exits_2(tmp_path, capsys):
     with tt._quiet_dcp_warnings():
         dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(str(directory)))
     (directory / "train_tpu.json").write_text(json.dumps({"config": ckpt["config"], "epoch": 2}))
-    assert tt.inspect_checkpoint(str(directory), args) == 2
+    assert tt.inspect_checkpoint(str(directory), args) == (2, 0)
     shard = next(p for p in directory.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:500])
     assert tt.main(["--spmd", "--resume", str(directory), "--out-dir", str(tmp_path / "o")]) == 2
@@ -775,7 +775,7 @@ def test_parent_exits_with_the_failing_replicas_code_and_line(monkeypatch, tmp_p
         raise BrokenProcessPool("a child process terminated abruptly")
 
     monkeypatch.setattr(tt.xmp, "spawn", spawn)
-    with pytest.raises(tt.TrainingFailed) as e:
+    with pytest.raises(tt.TrainingFailed) as e, tt.run_files():
         tt.spawn_replicas(None, "TPU", 8)
     assert e.value.code == 5 and str(e.value) == "replica 3: failed: smoke verdict FAIL: learning"
     assert tt.FAILURE_FILE not in os.environ
@@ -819,9 +819,9 @@ def test_only_host_0_touches_the_out_dir(tmp_path):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("{}\n")
     args = tt.parse_args(["--out-dir", str(run_dir), "--overwrite"])
-    tt.prepare_out_dir(args, (1, 0), writer=False)  # host 1 of a pod: leaves it alone
+    tt.prepare_out_dir(args, writer=False)  # host 1 of a pod: leaves it alone
     assert (run_dir / "metrics.jsonl").exists()
-    tt.prepare_out_dir(args, (1, 0), writer=True)  # host 0: deletes the earlier run
+    tt.prepare_out_dir(args, writer=True)  # host 0: deletes the earlier run
     assert not (run_dir / "metrics.jsonl").exists()
 
 
@@ -1252,7 +1252,7 @@ def test_overwrite_deletes_every_artifact_of_the_earlier_run(tmp_path):
     for name in artifacts:
         (run_dir / name).write_text("earlier run")
     args = tt.parse_args(["--out-dir", str(run_dir), "--overwrite"])
-    tt.prepare_out_dir(args, (1, 0))
+    tt.prepare_out_dir(args)
     # A verdict.json left behind would be read as this run's verdict (fit(smoke=True) does).
     assert [n for n in artifacts + ["checkpoint-spmd"] if (run_dir / n).exists()] == []
     assert run_dir.is_dir()
@@ -1376,3 +1376,67 @@ def test_resume_takes_unset_settings_from_the_checkpoint_and_keeps_given_ones(tm
     # ...and the flags given now win.
     assert (args.lr, args.epochs) == (0.2, 4)
     assert "--momentum 0.5" in capsys.readouterr().out
+
+
+CHILD_SCRIPT = r"""
+import sys
+import train_tpu as tt
+args = tt.parse_args(sys.argv[1:])
+tt.select_runtime()
+tt.prepare_out_dir(args)
+try:
+    with tt.run_files():
+        # nprocs=None, as on a TPU VM: the replica is a thread of a child process (one, on
+        # the CPU), where Python cannot install a signal handler from the replica itself.
+        tt.spawn_replicas(args, "CPU", cores=2)
+except tt.TrainingFailed as e:
+    print(f"train_tpu.py: failed: {e}", file=sys.stderr)
+    sys.exit(e.code)
+"""
+
+
+@pytest.mark.parametrize("to", ["launcher", "process group"])
+def test_sigterm_stops_replicas_that_run_in_a_child_process(to, tmp_path):
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
+    env.pop("CPU_NUM_DEVICES", None)
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-u", "-c", CHILD_SCRIPT, "--data", "synthetic",
+                          "--epochs", "1", "--out-dir", str(out)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    for line in p.stdout:  # printed by the replica, in the child process
+        if line.startswith("epoch 1 step 40/"):
+            # `kill PID` reaches the launcher only; a VM's shutdown reaches every process.
+            (p.send_signal if to == "launcher" else
+             lambda s: os.killpg(p.pid, s))(signal.SIGTERM)
+            break
+    _, err = p.communicate(timeout=200)
+    assert p.returncode == 143, err
+    stopped = re.search(r"stopped by SIGTERM at epoch 1 step (\d+), checkpoint saved", err)
+    assert stopped, err
+    saved = final_weights(out)
+    assert (saved["epoch"], saved["step"]) == (1, int(stopped.group(1)))
+
+
+def test_resume_from_further_back_sets_later_checkpoints_aside_in_this_runs_steps(tmp_path):
+    common = ["--cores", 1, "--data", "synthetic", "--epochs", 1, "--steps-per-epoch", 30]
+    r = run_cli(*common, "--batch-size", 64, "--save-steps", 10, "--keep-checkpoints", 10,
+                "--out-dir", "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    early = tmp_path / "run" / "checkpoint-epoch-0000-step-000010.pt"  # 10 steps of 64 in
+    later = sorted(os.listdir(tmp_path / "run"))
+    # 640 samples are 6.67 steps of 96: refused, and the run folder is left as it was.
+    r = run_cli("--resume", early, "--batch-size", 96, cwd=tmp_path)
+    assert r.returncode == 2 and "not a whole number of steps" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path / "run")) == later
+    # With 128 per step (-> 5 steps done of 15) it continues, and what came after is set aside.
+    r = run_cli("--resume", early, "--batch-size", 128, "--steps-per-epoch", 15, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "continuing at epoch 1 of 1 after step 5" in r.stdout
+    assert "2 checkpoint(s) taken after this one moved to" in r.stdout
+    (aside,) = os.listdir(tmp_path / "run" / "superseded")
+    assert sorted(os.listdir(tmp_path / "run" / "superseded" / aside)) == [
+        "checkpoint-epoch-0000-step-000020.pt", "checkpoint.pt"]
+    # --resume of the folder now finds this run's end, not the abandoned one's.
+    assert tt.find_checkpoint(str(tmp_path / "run")) == (
+        "xm.save", str(tmp_path / "run" / "checkpoint.pt"))
+    assert final_weights(tmp_path / "run")["global_batch"] == 128

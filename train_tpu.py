@@ -69,7 +69,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 try:
@@ -525,7 +525,12 @@ def format_compiles(c, first_epoch, epoch="this epoch"):
 
 
 class Examples(Dataset):
-    """Equal-length tensors served as dict samples, so each field can get its own sharding."""
+    """Equal-length tensors served as dicts, so each field can get its own sharding.
+
+    Given a whole batch of indices, it returns the whole batch in one indexing per field:
+    about ten times the samples/s of building the batch sample by sample and collating
+    (--benchmark host), which matters under SPMD, where one process loads every device's batch.
+    """
 
     def __init__(self, **fields):
         self.fields = fields
@@ -534,7 +539,17 @@ class Examples(Dataset):
         return len(next(iter(self.fields.values())))
 
     def __getitem__(self, i):
+        if isinstance(i, list):
+            i = torch.as_tensor(i)
         return {name: t[i] for name, t in self.fields.items()}
+
+
+def batches(dataset, sampler, batch_size, drop_last, num_workers=0):
+    """A DataLoader that asks `dataset` for a batch at a time, in the sampler's order.
+
+    The same batches, in the same order, as DataLoader(dataset, batch_size, sampler=sampler)."""
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
+                      batch_size=None, num_workers=num_workers)
 
 
 # Seven-segment strokes (row0, row1, col0, col1) in a 20 x 12 glyph, and each digit's strokes.
@@ -664,9 +679,7 @@ def train_loader(images, labels, batch_size, world, rank, seed, num_workers, max
                                  seed=seed, drop_last=True)
     sampler = EpochWindow(sampler, max_steps * batch_size if max_steps else None)
     # drop_last: every step has one shape, so the last partial batch does not compile a graph.
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                        num_workers=num_workers)
-    return loader, sampler
+    return batches(dataset, sampler, batch_size, True, num_workers), sampler
 
 
 def eval_shard(images, labels, batch_size, world, rank):
@@ -811,7 +824,8 @@ def evaluate_on_cpu(model_state, args):
     model = ToyModel(args.layerdrop, args.layerdrop_prob)
     model.load_state_dict(model_state)
     images, labels = load_split(args, train=False)
-    loader = DataLoader(eval_shard(images, labels, 500, 1, 0), batch_size=500)
+    shard = eval_shard(images, labels, 500, 1, 0)
+    loader = batches(shard, SequentialSampler(shard), 500, False)
     return evaluate(model, loader)
 
 
@@ -831,10 +845,12 @@ def evaluate_on_cpu(model_state, args):
 # one it is given and says so.
 
 
-def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, device_kind):
+def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, device_kind,
+                    global_batch=0):
     """position: where training continues, (epoch, steps of it already done)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "epoch": position[0], "step": position[1], "variant": variant(args.layerdrop),
+            "epoch": position[0], "step": position[1], "global_batch": global_batch,
+            "variant": variant(args.layerdrop),
             "config": {k: getattr(args, k) for k in RESUMED_SETTINGS},
             "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind}
 
@@ -852,8 +868,14 @@ def save_checkpoint(ckpt, out_dir, spmd, keep):
     xm.save(ckpt, tmp, master_only=True, global_master=True)
     if is_master():
         if keep > 1 and os.path.exists(path):  # the one replaced stays, named by its position
-            old = load_file_checkpoint(path, mmap=True)
-            os.replace(path, os.path.join(out_dir, f"checkpoint-{position_name(old)}.pt"))
+            replaced = load_file_checkpoint(path, mmap=True)
+            history = os.path.join(out_dir, f"checkpoint-{position_name(replaced)}.pt")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(history)
+            try:  # a second name for the same file: checkpoint.pt exists at every moment
+                os.link(path, history)
+            except OSError:  # a filesystem without hard links (some network mounts)
+                shutil.copyfile(path, history)
         os.replace(tmp, path)
         older = sorted((n for n in os.listdir(out_dir) if n.startswith("checkpoint-epoch-")),
                        key=lambda n: n[:-len(".pt")])  # by position: "-step" sorts after "-0001"
@@ -920,21 +942,27 @@ def find_checkpoint(path):
         return "xm.save", path
     if os.path.isfile(os.path.join(path, ".metadata")):
         return "spmd", path
-    found = []
-    for root in (path, os.path.join(path, "checkpoint-spmd")):
-        if os.path.isdir(root):
-            found += [("spmd", os.path.join(root, d)) for d in os.listdir(root)
-                      if d.startswith("epoch-") and not d.endswith(".tmp")
-                      and os.path.isfile(os.path.join(root, d, ".metadata"))]
-    if os.path.isdir(path):  # checkpoint.pt, and older ones kept by --keep-checkpoints
-        found += [("xm.save", os.path.join(path, n)) for n in os.listdir(path)
-                  if n == "checkpoint.pt" or (n.startswith("checkpoint-epoch-") and
-                                              n.endswith(".pt"))]
+    found = checkpoints_in(path)
     if not found:
         raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
                          "nor an SPMD directory with a .metadata file)")
     return max(found, key=lambda kind_where: (_saved_position(*kind_where),
                                               os.path.getmtime(kind_where[1])))
+
+
+def checkpoints_in(folder):
+    """[(kind, where)] of the complete checkpoints in a run folder, in either format."""
+    found = []
+    for root in (folder, os.path.join(folder, "checkpoint-spmd")):
+        if os.path.isdir(root):
+            found += [("spmd", os.path.join(root, d)) for d in os.listdir(root)
+                      if d.startswith("epoch-") and not d.endswith((".tmp", ".old"))
+                      and os.path.isfile(os.path.join(root, d, ".metadata"))]
+    if os.path.isdir(folder):  # checkpoint.pt, and older ones kept by --keep-checkpoints
+        found += [("xm.save", os.path.join(folder, n)) for n in os.listdir(folder)
+                  if n == "checkpoint.pt" or (n.startswith("checkpoint-epoch-") and
+                                              n.endswith(".pt"))]
+    return found
 
 
 def _saved_position(kind, where):
@@ -1083,8 +1111,10 @@ def load_spmd_in_place(model, optimizer, directory, args):
             for p in group["params"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     ckpt = checkpoint_dict(model, optimizer, (0, 0), args, 0.0, 0.0, "")
-    if "step" not in read_spmd_metadata(directory).state_dict_metadata:
-        del ckpt["step"]  # saved before mid-epoch checkpoints existed: at an epoch's end
+    saved_keys = read_spmd_metadata(directory).state_dict_metadata
+    for key in ("step", "global_batch"):  # saved before mid-epoch checkpoints existed
+        if key not in saved_keys:
+            del ckpt[key]
     try:
         with _quiet_dcp_warnings():
             dcp.load(ckpt, storage_reader=dcp.FileSystemReader(directory),
@@ -1154,8 +1184,7 @@ class RunLog:
 
     def keep_before(self, epoch, step=0):
         """A resumed run continues its history: lines past the checkpoint's position (steps it
-        is about to run again) are dropped, and so is a line torn by a kill. Runs in the
-        parent, before any replica starts, so no replica can stall on a bad file."""
+        is about to run again) are dropped, and so is a line torn by a kill."""
         if not os.path.exists(self.path):
             return
 
@@ -1380,9 +1409,11 @@ class Watchdog:
                 name, seconds, _ = current
                 self.verdict.add(name, False, f"did not finish within {seconds:.0f} s (a hang? "
                                  "more time: --deadline-scale)")
-                self.verdict.publish(self.args)
-                end_this_replica(EXIT_SMOKE_FAILED,
-                                 f"failed: smoke verdict FAIL: {name} did not finish")
+                try:
+                    self.verdict.publish(self.args)
+                finally:  # whatever publishing does, the process must not go on hanging
+                    end_this_replica(EXIT_SMOKE_FAILED,
+                                     f"failed: smoke verdict FAIL: {name} did not finish")
 
 
 def check_devices(verdict, topo, args, device_kind):
@@ -1532,32 +1563,67 @@ def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=
         meter.progress.close()
 
 
-class StopSignal:
-    """SIGTERM (a preemption notice) or Ctrl-C: noted, then acted on at the next boundary.
+# ---- stopping early: SIGTERM, Ctrl-C, a failing replica ---------------------------------------
+#
+# xmp.spawn runs each replica in a thread of a child process, and Python runs signal handlers
+# only in a process's main thread. So every process of the run (this one, and each replica
+# process, at import: see the end of the file) takes SIGTERM and Ctrl-C in its main thread
+# and creates the stop file; the replicas look for it at each boundary and agree to stop.
+# A failing replica writes its exit code and line to the failure file for the parent.
 
-    The loop finishes the step in flight; at the next --log-steps or --save-steps boundary the
-    replicas agree to stop (one that stopped alone would hang the others), save, and exit
-    128 + the signal's number. A second signal stops at once. Python lets only a process's
-    main thread install handlers: TPU v2/v3 replicas, threads, keep the default.
-    """
+FAILURE_FILE, STOP_FILE = "TRAIN_TPU_FAILURE_FILE", "TRAIN_TPU_STOP_FILE"  # environment
+STOP_GRACE = 120  # seconds a process may take to save and exit after a signal
+SIGNALS_TAKEN = []  # by this process, in this run
 
-    def __init__(self):
-        self.signum, self.saved = 0, {}
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self.saved[signum] = signal.signal(signum, self._note)
-        return self
-
-    def _note(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for signum, handler in self.saved.items():
+@contextlib.contextmanager
+def run_files():
+    """The failure and stop files of one run, named in the environment the replicas inherit."""
+    folder = tempfile.mkdtemp(prefix="train_tpu-")
+    os.environ[FAILURE_FILE] = os.path.join(folder, "failure.jsonl")
+    os.environ[STOP_FILE] = os.path.join(folder, "stop")
+    SIGNALS_TAKEN.clear()
+    saved = install_stop_handlers()
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
             signal.signal(signum, handler)
+        del os.environ[FAILURE_FILE], os.environ[STOP_FILE]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def install_stop_handlers():
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, on_stop_signal)
+            for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def on_stop_signal(signum, frame):
+    """Asks the replicas to save and stop at their next boundary (every --log-steps and
+    --save-steps step). A second signal, or one while a failed run is being torn down
+    (xmp.spawn's pool sends SIGTERM to the other replicas), ends this process at once."""
+    failures, stop = os.environ.get(FAILURE_FILE, ""), os.environ[STOP_FILE]
+    if SIGNALS_TAKEN or (os.path.exists(failures) and os.path.getsize(failures)):
+        os._exit(128 + signum)
+    SIGNALS_TAKEN.append(signum)
+    with open(f"{stop}.{os.getpid()}", "w") as f:  # each process its own, then one rename
+        f.write(str(signum))
+    os.replace(f"{stop}.{os.getpid()}", stop)
+    # A replica stuck in a collective never reaches a boundary: end the process after a while.
+    deadline = threading.Timer(STOP_GRACE, os._exit, args=(128 + signum,))
+    deadline.daemon = True
+    deadline.start()
+
+
+def stop_requested():
+    """The signal's number once a stop was asked for, else 0."""
+    try:
+        with open(os.environ[STOP_FILE]) as f:
+            return int(f.read())
+    except (KeyError, OSError, ValueError):
+        return 0
 
 
 def stopped(signum, position, args):
@@ -1567,7 +1633,7 @@ def stopped(signum, position, args):
                           128 + signum)
 
 
-def run_training(args, device_kind, stop, mesh=None):
+def run_training(args, device_kind, mesh=None):
     """Everything one replica does; the SPMD path runs it once, over the whole mesh."""
     verdict = Verdict() if args.smoke else None
     watch = Watchdog(verdict, args)  # with --smoke: every stage below has a deadline
@@ -1597,8 +1663,8 @@ def run_training(args, device_kind, stop, mesh=None):
     images, labels = load_split(args, train=True)
     loader, sampler = train_loader(images, labels, load_batch, topo.world, topo.rank, args.seed,
                                    args.num_workers, args.steps_per_epoch)
-    test = DataLoader(eval_shard(*load_split(args, train=False), load_batch, topo.world,
-                                 topo.rank), batch_size=load_batch)
+    shard = eval_shard(*load_split(args, train=False), load_batch, topo.world, topo.rank)
+    test = batches(shard, SequentialSampler(shard), load_batch, False)
     if len(loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size}: a global batch of {global_batch} is "
                          f"larger than the {len(images)} training samples")
@@ -1623,12 +1689,12 @@ def run_training(args, device_kind, stop, mesh=None):
     def save(position):
         test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
         path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, test_loss,
-                                               accuracy, device_kind),
+                                               accuracy, device_kind, global_batch),
                                args.out_dir, topo.spmd, args.keep_checkpoints)
         return path, test_loss, accuracy, counted
 
     def at_boundary(step):
-        signum = topo.agree_max(stop.signum)[0]  # every replica stops here, or none does
+        signum = topo.agree_max(stop_requested())[0]  # every replica stops here, or none
         if signum or (args.save_steps and step % args.save_steps == 0):
             torch_xla.sync()  # the step and its log line first: metrics.jsonl never lags
             save((epoch, step))
@@ -1652,7 +1718,7 @@ def run_training(args, device_kind, stop, mesh=None):
             path, test_loss, accuracy, counted = save((epoch + 1, 0))
         # The replicas stop together or not at all. Agreed before end_epoch, so that the
         # agreement's own graph compiles within the warm-up.
-        recompiles, signum = topo.agree_max(counter.recompiles_so_far(), stop.signum)
+        recompiles, signum = topo.agree_max(counter.recompiles_so_far(), stop_requested())
         compiles = counter.end_epoch(first)
         rate = meter.samples_per_s()
         log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
@@ -1665,7 +1731,7 @@ def run_training(args, device_kind, stop, mesh=None):
             print0(met.metrics_report())
         if is_master():
             write_plot(args.out_dir)
-        if signum:
+        if signum and epoch < args.epochs:  # after the last epoch there is nothing to stop
             raise stopped(signum, (epoch + 1, 0), args)
         if args.max_recompiles is not None and not args.smoke and recompiles > args.max_recompiles:
             raise TrainingFailed(
@@ -1691,13 +1757,23 @@ def resume(model, optimizer, test, topo, args, device_kind):
     Returns ((epoch, step) to continue at, the checkpoint's accuracy).
     """
     ckpt, converted = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
-    position = ckpt["epoch"], ckpt.get("step", 0)
+    # The samples of the epoch already trained on are the same on any device count: a prefix
+    # of the epoch's shuffle. Resume after that many samples, in whole steps of this run.
+    global_batch = args.batch_size * topo.devices
+    samples = ckpt.get("step", 0) * (ckpt.get("global_batch") or global_batch)
+    if samples % global_batch:
+        raise UsageError(f"--resume {args.resume}: saved {samples} samples into epoch "
+                         f"{ckpt['epoch']}, which is not a whole number of steps of this run's "
+                         f"global batch {global_batch}; pick a --batch-size that divides it")
+    position = ckpt["epoch"], samples // global_batch
     loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
     compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
+    if is_master():
+        continue_run_folder(args.out_dir, (ckpt["epoch"], ckpt.get("step", 0)))
     if converted:
         # Write the conversion now, in this mode's format, before any training changes it.
         path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, loss,
-                                               accuracy, device_kind),
+                                               accuracy, device_kind, global_batch),
                                args.out_dir, topo.spmd, args.keep_checkpoints)
         print0(f"resume | converted checkpoint saved as {path}")
     if position[0] > args.epochs:
@@ -1712,16 +1788,12 @@ def resume(model, optimizer, test, topo, args, device_kind):
 def _mp_fn(index, args, device_kind):
     """xmp.spawn's entry: called once per replica with its index."""
     try:
-        with StopSignal() as stop:
-            run_training(args, device_kind, stop)
+        run_training(args, device_kind)
     except BaseException as e:
         if xr.world_size() == 1:
             raise  # the only replica, in this process: main() or fit() reports it
         code, line = describe(e)
         end_this_replica(code, f"replica {xr.global_ordinal()}: {line}")
-
-
-FAILURE_FILE = "TRAIN_TPU_FAILURE_FILE"  # environment variable: where a replica leaves its line
 
 
 def end_this_replica(code, line):
@@ -1744,24 +1816,20 @@ def end_this_replica(code, line):
 
 
 def spawn_replicas(args, device_kind, cores):
-    handle, failures = tempfile.mkstemp(prefix="train_tpu-failure-", suffix=".jsonl")
-    os.close(handle)
-    os.environ[FAILURE_FILE] = failures  # the replica processes inherit it
+    """xmp.spawn, and the failing replica's code and line if one ended the run."""
     try:
         # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
         # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
-        with StopSignal():  # the replicas act on SIGTERM / Ctrl-C; this process waits for them
-            xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
+        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
     except Exception:
-        with open(failures) as f:
-            first = f.readline()
+        first = ""
+        if os.path.exists(os.environ[FAILURE_FILE]):
+            with open(os.environ[FAILURE_FILE]) as f:
+                first = f.readline()
         if not first:
             raise
         code, line = json.loads(first)
         raise TrainingFailed(line, code) from None
-    finally:
-        del os.environ[FAILURE_FILE]
-        os.remove(failures)
 
 
 # ---- the SPMD path ---------------------------------------------------------------------------
@@ -1775,8 +1843,7 @@ def run_spmd(args, device_kind):
     xr.use_spmd()
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("data",))
-    with StopSignal() as stop:
-        run_training(args, device_kind, stop, mesh)
+    run_training(args, device_kind, mesh)
 
 
 # ---- benchmark: the article's recompilation, measured ----------------------------------------
@@ -1832,7 +1899,7 @@ class Result:
     verdict: dict = None  # with --smoke: the same verdict as the printed table
 
 
-def prepare_out_dir(args, resume_at, writer=True):
+def prepare_out_dir(args, writer=True):
     """Resolves --out-dir; a fresh run never mixes its history with an earlier run's.
 
     Only host 0 (`writer`) touches the folder. On a pod slice with a shared --out-dir the
@@ -1845,17 +1912,18 @@ def prepare_out_dir(args, resume_at, writer=True):
         args.out_dir = os.path.abspath(os.path.join(where, *[".."] * up))
     elif args.out_dir is None:
         args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if not writer:
-        return
+    # Every host checks (one that failed alone would leave the others waiting for it) ...
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise UsageError(f"--out-dir {args.out_dir}: a file is there, not a folder")
     earlier = [n for n in ("metrics.jsonl", "checkpoint.pt", "checkpoint-spmd")
                if os.path.exists(os.path.join(args.out_dir, n))]
+    if earlier and not args.resume and not args.overwrite:
+        raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
+                         "; continue it with --resume, pick another --out-dir, or pass "
+                         "--overwrite to delete it and start clean")
+    if not writer:  # ... and only host 0 changes anything
+        return
     if earlier and not args.resume:
-        if not args.overwrite:
-            raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
-                             "; continue it with --resume, pick another --out-dir, or pass "
-                             "--overwrite to delete it and start clean")
         for name in earlier + ["metrics.png", "verdict.json"] + [
                 n for n in os.listdir(args.out_dir) if n.startswith("checkpoint-epoch-")]:
             target = os.path.join(args.out_dir, name)
@@ -1866,8 +1934,23 @@ def prepare_out_dir(args, resume_at, writer=True):
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:  # a file where a parent folder should be, no permission, ...
         raise UsageError(f"--out-dir {args.out_dir}: cannot create it ({e.strerror})")
-    if args.resume:
-        RunLog(args.out_dir).keep_before(*resume_at)
+
+
+def continue_run_folder(out_dir, resumed_at):
+    """Once a resume has proven itself: the run folder continues from `resumed_at`.
+
+    Resuming from further back abandons what came after: those checkpoints move to
+    OUT/superseded/, so that --resume OUT (and fit's result) continue this run, not that one;
+    and metrics.jsonl drops the lines past that point (steps about to run again).
+    """
+    RunLog(out_dir).keep_before(*resumed_at)
+    later = [where for kind, where in checkpoints_in(out_dir)
+             if _saved_position(kind, where) > resumed_at]
+    aside = os.path.join(out_dir, "superseded", time.strftime("%Y%m%d-%H%M%S"))
+    for where in later:
+        os.renames(where, os.path.join(aside, os.path.relpath(where, out_dir)))
+    if later:
+        print(f"resume | {len(later)} checkpoint(s) taken after this one moved to {aside}")
 
 
 def refuse_a_running_runtime(args, cores):
@@ -1889,7 +1972,8 @@ def run(args):
     check_versions(*installed_versions())
     device_kind, available = select_runtime()
     host, hosts = pod_hosts(device_kind)
-    resume_at = inspect_checkpoint(args.resume, args) if args.resume else (1, 0)  # and settings
+    if args.resume:
+        inspect_checkpoint(args.resume, args)  # fails fast, and takes the saved settings
     training = not (args.export or args.benchmark)
     cores = check_cores(args, device_kind, available, hosts) if training else 1
     if training:
@@ -1901,11 +1985,12 @@ def run(args):
     if args.benchmark == "layerdrop":
         benchmark_layerdrop(args, device_kind)
         return
-    prepare_out_dir(args, resume_at, writer=host == 0)
-    if args.spmd:
-        run_spmd(args, device_kind)
-    else:
-        spawn_replicas(args, device_kind, cores)
+    prepare_out_dir(args, writer=host == 0)
+    with run_files():
+        if args.spmd:
+            run_spmd(args, device_kind)
+        else:
+            spawn_replicas(args, device_kind, cores)
 
 
 def collect_result(args):
@@ -1971,6 +2056,11 @@ def main(argv=None):
         return code
     return 0
 
+
+if os.environ.get(STOP_FILE):
+    # Imported while a run is on: a replica process of xmp.spawn, importing this file in its
+    # main thread, the one place where it can take SIGTERM and Ctrl-C (see on_stop_signal).
+    install_stop_handlers()
 
 if __name__ == "__main__":
     code = main()
