@@ -93,6 +93,7 @@ SYNTHETIC_TRAIN, SYNTHETIC_TEST = 30_000, 5_000  # generated digits per split
 SYNTHETIC_DATA_SEED = 1234  # fixed, so runs with different --seed see the same data
 LAYERDROP_REPEATS = 50  # the article's loop: one shared fc2 applied up to 50 times
 WARMUP_STEPS = 2  # steps per epoch left out of samples/s: step 1 and 2 compile their graphs
+PROFILE_STEPS = 10  # steps in a --profile trace
 # --smoke: long enough to learn and to have an epoch after warm-up, short enough for a VM check.
 SMOKE_PRESET = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10,
                     target_accuracy=90.0)
@@ -174,6 +175,11 @@ def build_parser():
                       help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
     drop.add_argument("--metrics-debug", action="store_true",
                       help="print torch_xla's full metrics report after every epoch")
+    drop.add_argument("--bf16", action="store_true",
+                      help="autocast the training forward pass and loss to bfloat16 on the "
+                           "device; weights, optimizer and evaluation stay float32")
+    drop.add_argument("--profile", default=None, metavar="DIR",
+                      help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR")
     drop.add_argument("--benchmark", choices=("layerdrop",), default=None,
                       help="layerdrop: time --steps-per-epoch steps (default 40) of dynamic "
                            "and static layerdrop on one device, print the figures, exit")
@@ -266,6 +272,12 @@ def parse_args(argv=None):
                          f"e.g. {os.path.join(args.export, 'model.pt')}")
     if args.export is not None and args.resume is None:
         raise UsageError("--export needs --resume PATH: the checkpoint to convert")
+    if args.profile is not None and (args.steps_per_epoch or PROFILE_STEPS + 3) <= \
+            WARMUP_STEPS + PROFILE_STEPS:
+        raise UsageError(f"--profile traces steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + PROFILE_STEPS}"
+                         f": --steps-per-epoch must be more than {WARMUP_STEPS + PROFILE_STEPS}")
+    if args.profile is not None and os.path.isfile(args.profile):
+        raise UsageError(f"--profile {args.profile}: a file is there; name a folder for the trace")
     if args.report is not None and not args.smoke:
         raise UsageError("--report writes the smoke verdict: add --smoke")
     if args.smoke and args.resume:
@@ -779,10 +791,13 @@ def layerdrop_keep(model, args, epoch, step, device):
 # ---- step ------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, images, labels, keep, spmd):
+def train_step(model, optimizer, images, labels, keep, spmd, bf16=False):
     """One step, traced lazily; MpDeviceLoader's next batch cuts and runs the graph."""
     optimizer.zero_grad()
-    loss = F.cross_entropy(model(images, keep), labels)
+    # --bf16: matmuls and convolutions in bfloat16, the float32 weights cast on the fly; the
+    # gradients and the optimizer's update stay float32. https://docs.pytorch.org/xla/release/r2.8/perf/amp.html
+    with torch.autocast("xla", dtype=torch.bfloat16, enabled=bf16):
+        loss = F.cross_entropy(model(images, keep), labels)
     loss.backward()
     if spmd:
         # One program over all devices: GSPMD inserts the gradient all-reduce itself.
@@ -1455,11 +1470,15 @@ def check_collectives(verdict, topo):
         verdict.add("collectives", got == expected and agreeing == n, figure)
 
 
-def numerics_tolerance(device_kind, precision):
+def numerics_tolerance(device_kind, precision, bf16=False):
     # float32 on the CPU agrees with eager PyTorch to rounding. A TPU's "default" precision
     # multiplies in one bfloat16 pass (8-bit mantissa, relative error ~4e-3 per product, more
     # after summing 1,440 of them); "high" is 3 passes (~14 bits), "highest" 6 (~22 bits).
     # A wrong weight or layout (the third seed's symptom) moves logits by O(1), far above these.
+    # --bf16 on both sides: each result is rounded to 8 mantissa bits (relative 3.9e-3), and the
+    # two sides round in different places (seen here: 3.6e-3 in the logits), so a few of those.
+    if bf16:
+        return 5e-2
     if device_kind == "CPU":
         return 1e-5
     return {"default": 5e-2, "high": 1e-3, "highest": 1e-5}[precision]
@@ -1475,8 +1494,9 @@ def check_numerics(verdict, model, images, labels, topo, device_kind, args):
     """
     def one_step(net, x, y):
         before = [p.detach().clone() for p in net.parameters()]
-        logits = net(x)
-        loss = F.cross_entropy(logits, y)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            logits = net(x)
+            loss = F.cross_entropy(logits, y)
         loss.backward()
         torch.optim.SGD(net.parameters(), lr=args.lr).step()
         update = torch.cat([(p.detach() - b).flatten() for p, b in zip(net.parameters(), before)])
@@ -1490,12 +1510,15 @@ def check_numerics(verdict, model, images, labels, topo, device_kind, args):
     on_device = one_step(probe, images.to(topo.device), labels.to(topo.device))
     on_device = [t.cpu() for t in on_device]  # deliberate sync: a one-off check before training
     on_host = one_step(reference, images, labels)
-    diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(on_device, on_host)]
-    tol = numerics_tolerance(device_kind, args.matmul_precision)
+    diffs = [float((a.float() - b.float()).abs().max() / b.float().abs().max())
+             for a, b in zip(on_device, on_host)]
+    tol = numerics_tolerance(device_kind, args.matmul_precision, args.bf16)
     verdict.add("numerics", max(diffs) <= tol,
                 f"first step, device vs eager CPU: rel diff logits {diffs[0]:.1e}, loss "
-                f"{diffs[1]:.1e}, weight update {diffs[2]:.1e} (tolerance {tol:.0e}, matmul "
-                f"precision {args.matmul_precision}; raise it with --matmul-precision highest)")
+                f"{diffs[1]:.1e}, weight update {diffs[2]:.1e} (tolerance {tol:.0e}, " + (
+                    "bfloat16 autocast on both sides)" if args.bf16 else
+                    f"matmul precision {args.matmul_precision}; raise it with "
+                    "--matmul-precision highest)"))
 
 
 def check_checkpoint(verdict, model, optimizer, path):
@@ -1543,7 +1566,28 @@ def finish_verdict(verdict, watch, model, optimizer, args, topo, counter, losses
 # ---- the per-replica training function -------------------------------------------------------
 
 
-def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=None):
+class Profile:
+    """--profile DIR: an XLA profiler trace of PROFILE_STEPS steps after the warm-up, taken by
+    the master (torch_xla.debug.profiler; TensorBoard's profile plugin opens it)."""
+
+    def __init__(self, directory, first_step):
+        self.directory, self.first, self.last = directory, first_step, first_step + PROFILE_STEPS
+
+    def at(self, step):
+        import torch_xla.debug.profiler as xp
+
+        if step == self.first and is_master():
+            xp.start_trace(self.directory)
+        elif step == self.last and is_master():
+            xm.wait_device_ops()  # the traced steps' device work belongs in the trace
+            xp.stop_trace()
+            print0(f"profile | steps {self.first}-{self.last - 1} traced into {self.directory}: "
+                   f"tensorboard --logdir {self.directory} (profile tab), or open the "
+                   "*.trace.json.gz in https://ui.perfetto.dev")
+
+
+def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=None,
+                profile=None):
     """TRAINING: nothing in this loop waits for the device; the step closures read the loss.
 
     At each boundary (every --log-steps and --save-steps step) at_boundary(step) may save a
@@ -1552,8 +1596,10 @@ def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=
     pending = []
     for step, batch in enumerate(topo.loader(loader), meter.start + 1):
         keep = layerdrop_keep(model, args, epoch, step, topo.device)
+        if profile:
+            profile.at(step)
         pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
-                                  topo.spmd))
+                                  topo.spmd, args.bf16))
         if (step % args.log_steps == 0 or step in (meter.warm, meter.steps)
                 or (args.save_steps and step % args.save_steps == 0)):
             xm.add_step_closure(meter.fetch, args=(step, pending))
@@ -1714,7 +1760,8 @@ def run_training(args, device_kind, mesh=None):
                            start=skip)
         started = time.perf_counter()
         with watch.deadline("training", 300 + 2 * steps):  # compiles, steps, eval, save
-            train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary)
+            profile = Profile(args.profile, meter.warm + 1) if args.profile and first else None
+            train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary, profile)
             losses += meter.losses
             path, test_loss, accuracy, counted = save((epoch + 1, 0))
         # The replicas stop together or not at all. Agreed before end_epoch, so that the
