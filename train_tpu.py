@@ -470,9 +470,8 @@ class Topology:
         # Under SPMD the loader shards each batch as it copies it: the batch dimension is split
         # over the mesh's "data" axis, one slice per device. One spec per field of the dict:
         # https://docs.pytorch.org/xla/release/r2.8/perf/spmd_advanced.html
-        spec = {"image": xs.ShardingSpec(self.mesh, ("data", None, None, None)),
-                "label": xs.ShardingSpec(self.mesh, ("data",)),
-                "valid": xs.ShardingSpec(self.mesh, ("data",))}
+        spec = {name: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (t.dim() - 1))
+                for name, t in loader.dataset.fields.items()}
         return pl.MpDeviceLoader(loader, self.device, input_sharding=spec)
 
     def reduce(self, totals):
@@ -533,36 +532,7 @@ def format_compiles(c, first_epoch, epoch="this epoch"):
             f"{format_fallbacks(c['cpu_fallback_ops'])}")
 
 
-# ---- data ------------------------------------------------------------------------------------
-
-
-class Examples(Dataset):
-    """Equal-length tensors served as dicts, so each field can get its own sharding.
-
-    Given a whole batch of indices, it returns the whole batch in one indexing per field:
-    about ten times the samples/s of building the batch sample by sample and collating
-    (--benchmark host), which matters under SPMD, where one process loads every device's batch.
-    """
-
-    def __init__(self, **fields):
-        self.fields = fields
-
-    def __len__(self):
-        return len(next(iter(self.fields.values())))
-
-    def __getitem__(self, i):
-        if isinstance(i, list):  # a batch: one index_select per field (faster than t[list])
-            i = torch.as_tensor(i)
-            return {name: t.index_select(0, i) for name, t in self.fields.items()}
-        return {name: t[i] for name, t in self.fields.items()}
-
-
-def batches(dataset, sampler, batch_size, drop_last, num_workers=0):
-    """A DataLoader that asks `dataset` for a batch at a time, in the sampler's order.
-
-    The same batches, in the same order, as DataLoader(dataset, batch_size, sampler=sampler)."""
-    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
-                      batch_size=None, num_workers=num_workers)
+# ---- data: your own goes here (1 of 2 edits; load_split returns it) ---------------------------
 
 
 # Seven-segment strokes (row0, row1, col0, col1) in a 20 x 12 glyph, and each digit's strokes.
@@ -666,6 +636,38 @@ def load_split(args, train):
     return normalise(mnist.data.float() / 255.0), mnist.targets
 
 
+# ---- batching and sharding --------------------------------------------------------------------
+
+
+class Examples(Dataset):
+    """Equal-length tensors served as dicts, so each field can get its own sharding.
+
+    Given a whole batch of indices, it returns the whole batch in one indexing per field:
+    about ten times the samples/s of building the batch sample by sample and collating
+    (--benchmark host), which matters under SPMD, where one process loads every device's batch.
+    """
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __len__(self):
+        return len(next(iter(self.fields.values())))
+
+    def __getitem__(self, i):
+        if isinstance(i, list):  # a batch: one index_select per field (faster than t[list])
+            i = torch.as_tensor(i)
+            return {name: t.index_select(0, i) for name, t in self.fields.items()}
+        return {name: t[i] for name, t in self.fields.items()}
+
+
+def batches(dataset, sampler, batch_size, drop_last, num_workers=0):
+    """A DataLoader that asks `dataset` for a batch at a time, in the sampler's order.
+
+    The same batches, in the same order, as DataLoader(dataset, batch_size, sampler=sampler)."""
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
+                      batch_size=None, num_workers=num_workers)
+
+
 class EpochWindow(torch.utils.data.Sampler):
     """Part of each epoch's shuffle: --steps-per-epoch cuts its end; a run resumed in the
     middle of an epoch skips the samples already trained on (same order, so the rest is
@@ -712,7 +714,7 @@ def eval_shard(images, labels, batch_size, world, rank):
     return Examples(image=images[index], label=labels[index], valid=valid)
 
 
-# ---- model -----------------------------------------------------------------------------------
+# ---- model: your own goes here (2 of 2 edits; build_model builds it) --------------------------
 
 
 class ToyModel(nn.Module):
@@ -759,9 +761,13 @@ class ToyModel(nn.Module):
         return self.fc3(x)
 
 
-def variant(layerdrop):
-    """Checkpoints move between dynamic and static (same parameters), never to or from off."""
-    return "toy" if layerdrop == "off" else "toy-layerdrop"
+def build_model(args):
+    """The one place that builds the model (on the host): with the class above, what you
+    replace to train your own. Nothing else reads its attributes or its input's shape."""
+    return ToyModel(args.layerdrop, args.layerdrop_prob)
+
+
+# ---- layerdrop: the article's recompilation example -------------------------------------------
 
 
 def drop_pattern(seed, epoch, step, prob):
@@ -777,12 +783,12 @@ def drop_pattern(seed, epoch, step, prob):
     return (torch.rand(LAYERDROP_REPEATS, generator=g) >= prob).tolist()  # P=0 keeps all
 
 
-def layerdrop_keep(model, args, epoch, step, device):
+def layerdrop_keep(args, epoch, step, device):
     """The `keep` argument for this step's forward, on the host or on the device."""
-    if model.layerdrop == "off":
+    if args.layerdrop == "off":
         return None
-    keep = drop_pattern(args.seed, epoch, step, model.layerdrop_prob)
-    if model.layerdrop == "dynamic":
+    keep = drop_pattern(args.seed, epoch, step, args.layerdrop_prob)
+    if args.layerdrop == "dynamic":
         return keep
     # A host-to-device copy of 50 bools: new data each step, the same graph.
     return torch.tensor(keep, device=device)
@@ -797,7 +803,8 @@ def train_step(model, optimizer, images, labels, keep, spmd, bf16=False):
     # --bf16: matmuls and convolutions in bfloat16, the float32 weights cast on the fly; the
     # gradients and the optimizer's update stay float32. https://docs.pytorch.org/xla/release/r2.8/perf/amp.html
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=bf16):
-        loss = F.cross_entropy(model(images, keep), labels)
+        logits = model(images) if keep is None else model(images, keep)
+        loss = F.cross_entropy(logits, labels)
     loss.backward()
     if spmd:
         # One program over all devices: GSPMD inserts the gradient all-reduce itself.
@@ -837,7 +844,7 @@ def evaluate(model, batches, reduce_across_replicas=None):
 
 def evaluate_on_cpu(model_state, args):
     """The same evaluation in eager PyTorch on the host: the reference for export checks."""
-    model = ToyModel(args.layerdrop, args.layerdrop_prob)
+    model = build_model(args)
     model.load_state_dict(model_state)
     images, labels = load_split(args, train=False)
     shard = eval_shard(images, labels, 500, 1, 0)
@@ -866,7 +873,6 @@ def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, devic
     """position: where training continues, (epoch, steps of it already done)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "epoch": position[0], "step": position[1], "global_batch": global_batch,
-            "variant": variant(args.layerdrop),
             "config": {k: getattr(args, k) for k in RESUMED_SETTINGS},
             "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind}
 
@@ -1022,8 +1028,12 @@ def inspect_checkpoint(path, args):
         except (OSError, ValueError):
             raise UsageError(f"--resume {where}: train_tpu.json is missing or damaged; the "
                              "checkpoint is incomplete")
+        shapes = {k[len("model."):]: tuple(v.size)
+                  for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    if kind == "xm.save":
+        shapes = {k: tuple(v.shape) for k, v in plain["model"].items()}
     apply_saved_settings(plain, args)
-    check_variant(plain, args, where)
+    check_model_fits(shapes, args, where)
     return plain["epoch"], plain.get("step", 0)
 
 
@@ -1038,12 +1048,15 @@ def apply_saved_settings(ckpt, args):
         print(f"resume | from the checkpoint: {', '.join(taken)} (flags given now take precedence)")
 
 
-def check_variant(ckpt, args, where):
-    have, want = ckpt.get("variant", "toy"), variant(args.layerdrop)
-    if have != want:
-        flag = "--layerdrop off" if have == "toy" else "--layerdrop dynamic or static"
-        raise UsageError(f"--resume {where}: the checkpoint is for model variant {have!r}, this "
-                         f"run builds {want!r}; resume it with {flag}")
+def check_model_fits(have, args, where):
+    """The checkpoint's parameters ({name: shape}) against the model this run builds."""
+    want = {k: tuple(t.shape) for k, t in build_model(args).state_dict().items()}
+    for name in sorted(have.keys() | want.keys()):
+        if have.get(name) != want.get(name):
+            raise UsageError(f"--resume {where}: its model does not fit the one this run builds "
+                             f"({name}: {have.get(name, 'absent')} in the checkpoint, "
+                             f"{want.get(name, 'absent')} here); resume it with the settings it "
+                             "was saved with (--layerdrop off, or dynamic or static)")
 
 
 def read_spmd_metadata(directory):
@@ -1503,9 +1516,9 @@ def check_numerics(verdict, model, images, labels, topo, device_kind, args):
         return logits.detach(), loss.detach(), update
 
     state = {k: v.cpu() for k, v in model.state_dict().items()}
-    probe = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
+    probe = build_model(args).to(topo.device)
     probe.load_state_dict(state)
-    reference = ToyModel(args.layerdrop, args.layerdrop_prob)
+    reference = build_model(args)
     reference.load_state_dict(state)
     on_device = one_step(probe, images.to(topo.device), labels.to(topo.device))
     on_device = [t.cpu() for t in on_device]  # deliberate sync: a one-off check before training
@@ -1595,7 +1608,7 @@ def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=
     """
     pending = []
     for step, batch in enumerate(topo.loader(loader), meter.start + 1):
-        keep = layerdrop_keep(model, args, epoch, step, topo.device)
+        keep = layerdrop_keep(args, epoch, step, topo.device)
         if profile:
             profile.at(step)
         pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
@@ -1699,7 +1712,7 @@ def run_training(args, device_kind, mesh=None):
         backends.set_mat_mul_precision(args.matmul_precision)
 
     torch.manual_seed(args.seed)
-    model = ToyModel(args.layerdrop, args.layerdrop_prob).to(topo.device)
+    model = build_model(args).to(topo.device)
     if not topo.spmd and topo.world > 1:
         # Seeding is not enough on TPU v2/v3: two devices per chip run as threads of one
         # process (the PJRT page linked in run()), sharing the global RNG. Copy the master's
@@ -1718,7 +1731,7 @@ def run_training(args, device_kind, mesh=None):
     print0(f"{device_kind} | {'spmd mesh' if topo.spmd else 'world'} {topo.devices} "
            f"{'devices' if topo.spmd else 'replicas'} | global batch {global_batch:,} "
            f"({args.batch_size} per core) | {len(loader)} steps per epoch | lr {args.lr} "
-           f"(as given, not scaled) | model {variant(args.layerdrop)}, layerdrop {args.layerdrop}"
+           f"(as given, not scaled) | model {type(model).__name__}, layerdrop {args.layerdrop}"
            f" | out {args.out_dir}")
 
     if verdict:
@@ -1914,7 +1927,7 @@ def benchmark_layerdrop(args, device_kind):
     for mode in ("dynamic", "static"):
         args.layerdrop = mode
         torch.manual_seed(args.seed)
-        model = ToyModel(mode, args.layerdrop_prob).to(topo.device)
+        model = build_model(args).to(topo.device)  # args.layerdrop is `mode`
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         loader, sampler = train_loader(images, labels, args.batch_size, 1, 0, args.seed, 0, steps)
         sampler.set_epoch(1)
@@ -2044,7 +2057,7 @@ def run(args):
 def collect_result(args):
     """Reads back what the master wrote: the replicas' own objects ended with them."""
     ckpt = read_checkpoint(*find_checkpoint(args.out_dir))
-    model = ToyModel(args.layerdrop, args.layerdrop_prob)
+    model = build_model(args)
     model.load_state_dict(ckpt["model"])
     history, epochs = read_history(args.out_dir)
     verdict = None
