@@ -162,6 +162,9 @@ def build_parser():
                        help="stop each epoch after N steps (quick runs; default: the whole set)")
     train.add_argument("--seed", type=int, default=0,
                        help="seeds the weights, the shuffling and the layerdrop coin flips")
+    train.add_argument("--bf16", action="store_true",
+                       help="autocast the training forward pass and loss to bfloat16 on the "
+                            "device; weights, optimizer and evaluation stay float32")
     train.add_argument("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
                        help="exit 21 if the final test accuracy (0-100) is below this")
 
@@ -175,11 +178,6 @@ def build_parser():
                       help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
     drop.add_argument("--metrics-debug", action="store_true",
                       help="print torch_xla's full metrics report after every epoch")
-    drop.add_argument("--bf16", action="store_true",
-                      help="autocast the training forward pass and loss to bfloat16 on the "
-                           "device; weights, optimizer and evaluation stay float32")
-    drop.add_argument("--profile", default=None, metavar="DIR",
-                      help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR")
     drop.add_argument("--benchmark", choices=("layerdrop",), default=None,
                       help="layerdrop: time --steps-per-epoch steps (default 40) of dynamic "
                            "and static layerdrop on one device, print the figures, exit")
@@ -206,6 +204,8 @@ def build_parser():
                      help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
     out.add_argument("--overwrite", action="store_true",
                      help="start clean in an --out-dir that already holds a run (deletes it)")
+    out.add_argument("--profile", default=None, metavar="DIR",
+                     help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR")
     out.add_argument("--save-steps", type=int, default=None, metavar="N",
                      help="also checkpoint every N training steps (default: at epoch ends only)")
     out.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
