@@ -1363,11 +1363,13 @@ def test_resume_takes_unset_settings_from_the_checkpoint_and_keeps_given_ones(tm
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     saved = tt.parse_args(["--data", "synthetic", "--lr", "0.01", "--momentum", "0.5",
-                           "--seed", "7", "--batch-size", "32", "--steps-per-epoch", "9"])
+                           "--seed", "7", "--batch-size", "32", "--steps-per-epoch", "9",
+                           "--bf16"])
     path = tmp_path / "checkpoint.pt"
     torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), saved, 1.0, 50.0, "CPU"), path)
     args = tt.parse_args(["--resume", str(path), "--lr", "0.2", "--epochs", "4"])
     assert tt.inspect_checkpoint(str(path), args) == (2, 0)
+    assert args.bf16 is True  # saved with --bf16 (below), not given now
     # Every setting not on this command line is the checkpoint's (a momentum left at the
     # default 0.9 would train a different model than the one interrupted)...
     assert (args.data, args.momentum, args.seed, args.batch_size, args.steps_per_epoch) == (
@@ -1394,13 +1396,16 @@ except tt.TrainingFailed as e:
 """
 
 
-@pytest.mark.parametrize("to", ["launcher", "process group"])
-def test_sigterm_stops_replicas_that_run_in_a_child_process(to, tmp_path):
+@pytest.mark.parametrize("to, workers", [("launcher", 0), ("process group", 0),
+                                        ("process group", 2)])
+def test_sigterm_stops_replicas_that_run_in_a_child_process(to, workers, tmp_path):
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE)
     env.pop("CPU_NUM_DEVICES", None)
     out = tmp_path / "run"
+    # With DataLoader workers, they get the group's SIGTERM too and must leave it to the replica.
     p = subprocess.Popen([sys.executable, "-u", "-c", CHILD_SCRIPT, "--data", "synthetic",
-                          "--epochs", "1", "--out-dir", str(out)], env=env, text=True,
+                          "--epochs", "1", "--num-workers", str(workers), "--out-dir", str(out)],
+                         env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     for line in p.stdout:  # printed by the replica, in the child process
         if line.startswith("epoch 1 step 40/"):
@@ -1546,3 +1551,69 @@ def test_two_edits_train_smoke_and_resume_your_own_model(mode, tmp_path):
     assert "continuing at epoch 3 of 3" in r.stdout and "| equal" in r.stdout
     assert [e["epoch"] for e in epochs_of(tmp_path / "run")] == [1, 2, 3]
     assert epochs_of(tmp_path / "run")[-1]["accuracy"] > 90.0
+
+
+def test_the_newest_checkpoint_is_the_one_furthest_in_samples(tmp_path):
+    model = tt.ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = tt.parse_args(["--data", "synthetic"])
+
+    def save(name, step, global_batch):
+        torch.save(tt.checkpoint_dict(model, optimizer, (2, step), args, 1.0, 50.0, "CPU",
+                                      global_batch), tmp_path / name)
+
+    # 100 steps of 128 (12,800 samples), then resumed with 256 per step and saved at step 60
+    # (15,360 samples): the second is further along although its step number is smaller.
+    save("checkpoint-epoch-0001-step-000100.pt", 100, 128)
+    save("checkpoint.pt", 60, 256)
+    assert tt.find_checkpoint(str(tmp_path)) == ("xm.save", str(tmp_path / "checkpoint.pt"))
+    assert tt.saved_position("xm.save", str(tmp_path / "checkpoint.pt")) == (2, 15360)
+
+
+def test_resume_into_a_folder_holding_another_run_is_refused(synthetic_run, tmp_path, capsys):
+    _, source = synthetic_run
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"kind": "epoch", "epoch": 1}\n')
+    assert tt.main(["--resume", str(source), "--out-dir", str(other)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (other / "metrics.jsonl").read_text() == '{"kind": "epoch", "epoch": 1}\n'
+
+
+def test_a_stop_signal_leaves_nothing_behind_when_the_run_ends(monkeypatch):
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    with tt.run_files():
+        stop = os.environ[tt.STOP_FILE]
+        tt.on_stop_signal(signal.SIGTERM, None)  # as Python would call it
+        assert tt.stop_requested() == signal.SIGTERM and os.path.exists(stop)
+        (grace,) = tt.GRACE_TIMERS
+        assert grace.is_alive()  # would end the process if the run did not end in time
+    # The run ended: a notebook's kernel must not be killed 120 s later, nor keep the handler.
+    assert grace.finished.is_set()
+    grace.join(5)
+    assert not grace.is_alive()
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert tt.STOP_FILE not in os.environ and not os.path.exists(os.path.dirname(stop))
+    assert tt.stop_requested() == 0
+
+
+def test_a_failing_input_pipeline_fails_the_epoch_instead_of_ending_it(tmp_path):
+    # MpDeviceLoader's feeder thread swallows the DataLoader's exception and ends the epoch.
+    patch = ("real = tt.Examples.__getitem__\n"
+             "calls = []\n"
+             "def getitem(self, i):\n"
+             "    calls.append(1)\n"
+             "    if len(calls) == 6:\n"
+             "        raise OSError('a bad disk block')\n"
+             "    return real(self, i)\n"
+             "tt.Examples.__getitem__ = getitem\n"
+             "xr.world_size = lambda: 1")  # this one runs at world 1
+    r = run_emulated("--cores", 1, "--data", "synthetic", "--epochs", 1, "--steps-per-epoch", 20,
+                     "--out-dir", tmp_path / "run", cwd=tmp_path, patch=patch)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == ("train_tpu.py: failed: the input pipeline stopped after "
+                                         "step 5 of 20 in epoch 1 (an error in the dataset or a "
+                                         "DataLoader worker)")
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()  # no checkpoint claims the epoch

@@ -220,7 +220,7 @@ def build_parser():
 
 # What a resumed run takes from its checkpoint unless the command line says otherwise.
 RESUMED_SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed",
-                    "steps_per_epoch", "layerdrop", "layerdrop_prob")
+                    "steps_per_epoch", "layerdrop", "layerdrop_prob", "bf16")
 
 
 def parse_args(argv=None):
@@ -665,7 +665,14 @@ def batches(dataset, sampler, batch_size, drop_last, num_workers=0):
 
     The same batches, in the same order, as DataLoader(dataset, batch_size, sampler=sampler)."""
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
-                      batch_size=None, num_workers=num_workers)
+                      batch_size=None, num_workers=num_workers,
+                      worker_init_fn=leave_signals_to_the_replica if num_workers else None)
+
+
+def leave_signals_to_the_replica(worker_id):
+    """A DataLoader worker ignores SIGTERM and Ctrl-C: its replica saves, stops and ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class EpochWindow(torch.utils.data.Sampler):
@@ -899,10 +906,11 @@ def save_checkpoint(ckpt, out_dir, spmd, keep):
             except OSError:  # a filesystem without hard links (some network mounts)
                 shutil.copyfile(path, history)
         os.replace(tmp, path)
-        older = sorted((n for n in os.listdir(out_dir) if n.startswith("checkpoint-epoch-")),
-                       key=lambda n: n[:-len(".pt")])  # by position: "-step" sorts after "-0001"
-        for name in older[:max(0, len(older) - (keep - 1))]:
-            os.remove(os.path.join(out_dir, name))
+        older = sorted((os.path.join(out_dir, n) for n in os.listdir(out_dir)
+                        if n.startswith("checkpoint-epoch-")),
+                       key=lambda where: saved_position("xm.save", where))
+        for where in older[:max(0, len(older) - (keep - 1))]:
+            os.remove(where)
     return path
 
 
@@ -933,10 +941,12 @@ def save_spmd_checkpoint(ckpt, out_dir, keep):
     shutil.rmtree(final + ".old", ignore_errors=True)
     # Keep the newest `keep` up to this one; never one taken later (a run resumed from further
     # back must not delete what it has not reached).
-    done = sorted(d for d in os.listdir(root) if d.startswith("epoch-") and d <= name
-                  and not d.endswith((".tmp", ".old")))
+    here = saved_position("spmd", final)
+    done = sorted((where for kind, where in checkpoints_in(out_dir)
+                   if kind == "spmd" and saved_position(kind, where) <= here),
+                  key=lambda where: saved_position("spmd", where))
     for old in done[:max(0, len(done) - keep)]:
-        shutil.rmtree(os.path.join(root, old))
+        shutil.rmtree(old)
     return final
 
 
@@ -968,7 +978,7 @@ def find_checkpoint(path):
     if not found:
         raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
                          "nor an SPMD directory with a .metadata file)")
-    return max(found, key=lambda kind_where: (_saved_position(*kind_where),
+    return max(found, key=lambda kind_where: (saved_position(*kind_where),
                                               os.path.getmtime(kind_where[1])))
 
 
@@ -987,15 +997,16 @@ def checkpoints_in(folder):
     return found
 
 
-def _saved_position(kind, where):
-    """(epoch, step) a checkpoint continues at, read cheaply; (-1, 0) if it cannot be read."""
+def saved_position(kind, where):
+    """(epoch, samples of it trained on) where a checkpoint continues, read cheaply; (-1, 0)
+    if it cannot be read. In samples, not steps: a resumed run may use another global batch."""
     try:
         if kind == "xm.save":
             plain = load_file_checkpoint(where, mmap=True)
         else:
             with open(os.path.join(where, "train_tpu.json")) as f:
                 plain = json.load(f)
-        return plain["epoch"], plain.get("step", 0)
+        return plain["epoch"], plain.get("step", 0) * (plain.get("global_batch") or 1)
     except (UsageError, OSError, ValueError, KeyError):
         return -1, 0
 
@@ -1591,12 +1602,22 @@ class Profile:
 
         if step == self.first and is_master():
             xp.start_trace(self.directory)
-        elif step == self.last and is_master():
-            xm.wait_device_ops()  # the traced steps' device work belongs in the trace
-            xp.stop_trace()
-            print0(f"profile | steps {self.first}-{self.last - 1} traced into {self.directory}: "
-                   f"tensorboard --logdir {self.directory} (profile tab), or open the "
-                   "*.trace.json.gz in https://ui.perfetto.dev")
+            self.started = True
+        elif step == self.last:
+            self.close()
+
+    def close(self):
+        """Stops the trace: after its last step, or when the epoch ends (or fails) before."""
+        import torch_xla.debug.profiler as xp
+
+        if not getattr(self, "started", False):
+            return
+        self.started = False
+        xm.wait_device_ops()  # the traced steps' device work belongs in the trace
+        xp.stop_trace()
+        print0(f"profile | steps {self.first}-{self.last - 1} traced into {self.directory}: "
+               f"tensorboard --logdir {self.directory} (profile tab), or open the "
+               "*.trace.json.gz in https://ui.perfetto.dev")
 
 
 def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=None,
@@ -1606,21 +1627,34 @@ def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=
     At each boundary (every --log-steps and --save-steps step) at_boundary(step) may save a
     checkpoint or stop the run; every replica reaches the same boundaries.
     """
-    pending = []
-    for step, batch in enumerate(topo.loader(loader), meter.start + 1):
-        keep = layerdrop_keep(args, epoch, step, topo.device)
+    pending, step = [], meter.start
+    device_batches = iter(topo.loader(loader))
+    try:
+        for step, batch in enumerate(device_batches, meter.start + 1):
+            keep = layerdrop_keep(args, epoch, step, topo.device)
+            if profile:
+                profile.at(step)
+            pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
+                                      topo.spmd, args.bf16))
+            if (step % args.log_steps == 0 or step in (meter.warm, meter.steps)
+                    or (args.save_steps and step % args.save_steps == 0)):
+                xm.add_step_closure(meter.fetch, args=(step, pending))
+                pending = []
+                if at_boundary and step < meter.steps:  # the epoch's end has its own save
+                    at_boundary(step)
+    finally:
         if profile:
-            profile.at(step)
-        pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
-                                  topo.spmd, args.bf16))
-        if (step % args.log_steps == 0 or step in (meter.warm, meter.steps)
-                or (args.save_steps and step % args.save_steps == 0)):
-            xm.add_step_closure(meter.fetch, args=(step, pending))
-            pending = []
-            if at_boundary and step < meter.steps:  # the epoch's end has its own checkpoint
-                at_boundary(step)
+            profile.close()
+        # Left early (a stop, an error), the loader's feeder thread would stay blocked on a
+        # full queue with the DataLoader's workers alive: close it (torch_xla's ParallelLoader,
+        # behind MpDeviceLoader's iterator: torch_xla/distributed/parallel_loader.py).
+        device_batches._loader.close()
     if meter.progress:
         meter.progress.close()
+    if step != meter.steps:
+        # MpDeviceLoader's feeder thread ends the epoch quietly when the DataLoader fails.
+        raise TrainingFailed(f"the input pipeline stopped after step {step} of {meter.steps} in "
+                             f"epoch {epoch} (an error in the dataset or a DataLoader worker)", 1)
 
 
 # ---- stopping early: SIGTERM, Ctrl-C, a failing replica ---------------------------------------
@@ -1633,7 +1667,7 @@ def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=
 
 FAILURE_FILE, STOP_FILE = "TRAIN_TPU_FAILURE_FILE", "TRAIN_TPU_STOP_FILE"  # environment
 STOP_GRACE = 120  # seconds a process may take to save and exit after a signal
-SIGNALS_TAKEN = []  # by this process, in this run
+SIGNALS_TAKEN, GRACE_TIMERS = [], []  # this process's, in this run
 
 
 @contextlib.contextmanager
@@ -1643,10 +1677,13 @@ def run_files():
     os.environ[FAILURE_FILE] = os.path.join(folder, "failure.jsonl")
     os.environ[STOP_FILE] = os.path.join(folder, "stop")
     SIGNALS_TAKEN.clear()
+    GRACE_TIMERS.clear()
     saved = install_stop_handlers()
     try:
         yield
     finally:
+        for timer in GRACE_TIMERS:  # the run ended in time: a notebook's kernel lives on
+            timer.cancel()
         for signum, handler in saved.items():
             signal.signal(signum, handler)
         del os.environ[FAILURE_FILE], os.environ[STOP_FILE]
@@ -1675,6 +1712,7 @@ def on_stop_signal(signum, frame):
     deadline = threading.Timer(STOP_GRACE, os._exit, args=(128 + signum,))
     deadline.daemon = True
     deadline.start()
+    GRACE_TIMERS.append(deadline)
 
 
 def stop_requested():
@@ -1759,6 +1797,7 @@ def run_training(args, device_kind, mesh=None):
             torch_xla.sync()  # the step and its log line first: metrics.jsonl never lags
             save((epoch, step))
         if signum:
+            topo.agree_max(0)  # a barrier: no replica exits while the master is still writing
             raise stopped(signum, (epoch, step), args)
 
     log, counter = RunLog(args.out_dir), CompileCounter()
@@ -1830,7 +1869,7 @@ def resume(model, optimizer, test, topo, args, device_kind):
     loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
     compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
     if is_master():
-        continue_run_folder(args.out_dir, (ckpt["epoch"], ckpt.get("step", 0)))
+        continue_run_folder(args.out_dir, ckpt)
     if converted:
         # Write the conversion now, in this mode's format, before any training changes it.
         path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, loss,
@@ -1967,10 +2006,9 @@ def prepare_out_dir(args, writer=True):
     hosts would race to delete, create and rewrite it; the global master, on host 0, is the
     only replica that writes there later.
     """
+    source_run = run_folder_of(*find_checkpoint(args.resume)) if args.resume else None
     if args.out_dir is None and args.resume:
-        kind, where = find_checkpoint(args.resume)
-        up = 1 if kind == "xm.save" else 2  # checkpoint.pt, or checkpoint-spmd/epoch-NNNN
-        args.out_dir = os.path.abspath(os.path.join(where, *[".."] * up))
+        args.out_dir = source_run
     elif args.out_dir is None:
         args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     # Every host checks (one that failed alone would leave the others waiting for it) ...
@@ -1978,13 +2016,16 @@ def prepare_out_dir(args, writer=True):
         raise UsageError(f"--out-dir {args.out_dir}: a file is there, not a folder")
     earlier = [n for n in ("metrics.jsonl", "checkpoint.pt", "checkpoint-spmd")
                if os.path.exists(os.path.join(args.out_dir, n))]
-    if earlier and not args.resume and not args.overwrite:
+    # A folder holding a run other than the one resumed (or any, for a fresh run) is not ours.
+    foreign = earlier and (source_run is None or
+                           os.path.realpath(source_run) != os.path.realpath(args.out_dir))
+    if foreign and not args.overwrite:
         raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
                          "; continue it with --resume, pick another --out-dir, or pass "
                          "--overwrite to delete it and start clean")
     if not writer:  # ... and only host 0 changes anything
         return
-    if earlier and not args.resume:
+    if foreign:
         for name in earlier + ["metrics.png", "verdict.json"] + [
                 n for n in os.listdir(args.out_dir) if n.startswith("checkpoint-epoch-")]:
             target = os.path.join(args.out_dir, name)
@@ -1997,21 +2038,30 @@ def prepare_out_dir(args, writer=True):
         raise UsageError(f"--out-dir {args.out_dir}: cannot create it ({e.strerror})")
 
 
-def continue_run_folder(out_dir, resumed_at):
-    """Once a resume has proven itself: the run folder continues from `resumed_at`.
+def continue_run_folder(out_dir, ckpt):
+    """Once a resume has proven itself: the run folder continues from checkpoint `ckpt`.
 
     Resuming from further back abandons what came after: those checkpoints move to
     OUT/superseded/, so that --resume OUT (and fit's result) continue this run, not that one;
     and metrics.jsonl drops the lines past that point (steps about to run again).
     """
-    RunLog(out_dir).keep_before(*resumed_at)
+    RunLog(out_dir).keep_before(ckpt["epoch"], ckpt.get("step", 0))  # in its steps
+    resumed_at = ckpt["epoch"], ckpt.get("step", 0) * (ckpt.get("global_batch") or 1)
     later = [where for kind, where in checkpoints_in(out_dir)
-             if _saved_position(kind, where) > resumed_at]
+             if saved_position(kind, where) > resumed_at]
     aside = os.path.join(out_dir, "superseded", time.strftime("%Y%m%d-%H%M%S"))
     for where in later:
         os.renames(where, os.path.join(aside, os.path.relpath(where, out_dir)))
     if later:
         print(f"resume | {len(later)} checkpoint(s) taken after this one moved to {aside}")
+
+
+def run_folder_of(kind, where):
+    """The run folder a checkpoint belongs to: OUT/checkpoint.pt, OUT/checkpoint-spmd/epoch-*."""
+    folder = os.path.dirname(os.path.abspath(where))
+    if kind == "spmd" and os.path.basename(folder) == "checkpoint-spmd":
+        folder = os.path.dirname(folder)
+    return folder
 
 
 def refuse_a_running_runtime(args, cores):
