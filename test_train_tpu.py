@@ -1120,7 +1120,7 @@ def test_drop_patterns_follow_the_rule_and_change_every_step_and_epoch():
 
 PREEMPT = ["--data", "synthetic", "--epochs", 2, "--seed", 3]
 MODES = {"1core": ["--cores", 1, "--save-steps", 30, "--steps-per-epoch", 100],
-         "spmd4": ["--spmd", "--cores", 4, "--save-steps", 10]}
+         "spmd4": ["--spmd", "--cores", 4, "--save-steps", 10, "--steps-per-epoch", 40]}
 
 
 @pytest.fixture(scope="module")
