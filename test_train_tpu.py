@@ -1617,3 +1617,24 @@ def test_a_failing_input_pipeline_fails_the_epoch_instead_of_ending_it(tmp_path)
                                          "step 5 of 20 in epoch 1 (an error in the dataset or a "
                                          "DataLoader worker)")
     assert not (tmp_path / "run" / "checkpoint.pt").exists()  # no checkpoint claims the epoch
+
+
+def test_emulated_world_2_sigterm_saves_waits_and_ends_every_replica(tmp_path):
+    # The world > 1 stop: agreement at a boundary, the save, the barrier, end_this_replica.
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=HERE, XLA_ALWAYS_ALLREDUCE="1")
+    env.pop("CPU_NUM_DEVICES", None)
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-u", "-c", EMULATED.format(patch=""), "--cores", "1",
+                          "--data", "synthetic", "--epochs", "1", "--out-dir", str(out)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("epoch 1 step 40/"):
+            p.send_signal(signal.SIGTERM)
+            break
+    _, err = p.communicate(timeout=200)
+    assert p.returncode == 143, err
+    stopped = re.search(r"^train_tpu.py: replica 0: failed: stopped by SIGTERM at epoch 1 step "
+                        r"(\d+), checkpoint saved", err, re.M)
+    assert stopped, err
+    saved = final_weights(out)
+    assert (saved["epoch"], saved["step"], saved["global_batch"]) == (1, int(stopped[1]), 256)
