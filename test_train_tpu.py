@@ -684,9 +684,10 @@ def test_artifacts_written_by_the_master(synthetic_run):
 def test_progress_bar_draws_one_line_in_place(capsys):
     bar = tt.ProgressBar()
     bar.show(5, 10, "epoch 1 step 5/10 | loss 1.0000")
-    bar.close()
     out = capsys.readouterr().out
-    assert out.startswith("\r[##########..........] epoch 1 step 5/10") and out.endswith("\n")
+    assert out.startswith("\r[##########..........] epoch 1 step 5/10") and "\n" not in out
+    bar.show(10, 10, "epoch 1 step 10/10 | loss 0.5000")  # the epoch's last: the line ends
+    assert capsys.readouterr().out.startswith("\r[####################] epoch 1 step 10/10")
 
 
 # ---- more than one replica, emulated on the CPU (README: "what runs where") ------------------
@@ -1266,7 +1267,11 @@ def test_throughput_leaves_out_the_warmup_steps(monkeypatch):
                           quiet=True)
     for step in range(1, steps + 1):
         clock["now"] += 10.0 if step <= tt.WARMUP_STEPS else 0.5
-        meter.fetch(step, [torch.tensor(1.0)])
+        meter.pending.append(torch.tensor(float(step)))  # the step's loss, "on the device"
+        meter.log_previous_window(step)  # each step a boundary: reads the step before it
+        assert meter.losses == [float(s) for s in range(1, step)]  # one window late
+    meter.log_the_rest()  # the epoch's end
+    assert meter.losses == [float(s) for s in range(1, steps + 1)]
     # Steps 3..10: 8 steps of 128 samples in 4 s. Counting all 10 steps would give 320.
     assert meter.samples_per_s() == pytest.approx(8 * 128 / 4.0)
     assert tt.EpochMeter(1, tt.WARMUP_STEPS, 128, tt.Topology("cpu", 1, 0, 1), None, None,
@@ -1326,7 +1331,7 @@ def test_export_that_fails_its_check_writes_nothing(tmp_path, capsys, monkeypatc
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     args = tt.parse_args(["--data", "synthetic"])
-    loss, accuracy, _ = tt.evaluate_on_cpu(model.state_dict(), args)
+    loss, accuracy, _ = tt.evaluate_on_cpu(model, args)
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
     torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, loss, accuracy, "CPU"), good)
     torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, loss + 0.1, accuracy, "CPU"), bad)
@@ -1532,7 +1537,7 @@ def replace_section(source, banner, next_banner, text):
 def test_two_edits_train_smoke_and_resume_your_own_model(mode, tmp_path):
     with open(os.path.join(HERE, "train_tpu.py")) as f:
         source = f.read()
-    source = replace_section(source, "data: your own", "batching and sharding", YOUR_DATA)
+    source = replace_section(source, "data: your own", "model: your own", YOUR_DATA)
     source = replace_section(source, "model: your own", "layerdrop:", YOUR_MODEL)
     (tmp_path / "train_tpu.py").write_text(source)
     env = dict(os.environ, PJRT_DEVICE="CPU")

@@ -1,50 +1,18 @@
-"""train_tpu.py: the reference PyTorch/XLA trainer, in one file you can read and copy.
+"""train_tpu.py: the reference PyTorch/XLA trainer, one file to read, run and copy.
 
-It trains the article's ToyModel CNN on MNIST (or on generated digits) on every TPU core, with
-the pieces every TPU training script needs: a DistributedSampler per replica, MpDeviceLoader,
-xm.optimizer_step, xm.save from the master, xmp.spawn, compile accounting, and an SPMD mode.
+It trains the article's ToyModel CNN on MNIST on every TPU core (a DistributedSampler shard per
+replica, MpDeviceLoader, xm.optimizer_step, xm.save from the master, xmp.spawn), or in SPMD mode
+in one process. The commands people run most:
 
-Runbook (each command, then what you should see; README.md has the same with real output):
+  python train_tpu.py                                    # TPU VM: train on every core
+  python train_tpu.py --smoke --report verdict.json      # is this new TPU VM fit to train on?
+  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
+  python train_tpu.py --resume runs/<run> --epochs 5     # continue, from either mode's format
 
-  New TPU VM: is it fit to train on?
-    python train_tpu.py --smoke --report verdict.json
-      -> a table of PASS/FAIL checks (devices, collectives, numerics, compilation, throughput,
-         learning, checkpoint) and "smoke verdict: PASS, 7/7 checks passed". Exit 0.
-
-  TPU VM, every core, MNIST:
-    python train_tpu.py
-      -> "TPU | world N replicas | global batch ...", then "epoch 1 step 20/... | loss ... |
-         ... samples/s" lines, after each epoch "epoch 1 done | test loss ... | accuracy ...%"
-         and "epoch 1 compiles | ... | recompiles after warm-up 0 | CPU fallback ops: none",
-         and a closing "done |" line. (Written from the docs: no TPU was at hand.)
-
-  Laptop or CI, no TPU (torch_xla runs on the CPU):
-    PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1 --target-accuracy 90
-      -> about 99% test accuracy after one epoch, 4 graphs compiled, exit 0.
-
-  SPMD (one process drives every device; on the CPU, 4 emulated devices):
-    PJRT_DEVICE=CPU python train_tpu.py --spmd --cores 4 --data synthetic --epochs 1
-      -> "CPU | spmd mesh 4 devices | global batch 512 (128 per core)", then the same lines.
-
-  Resume, from either checkpoint format, in either mode:
-    python train_tpu.py --resume runs/<run>/checkpoint.pt --epochs 5
-      -> "resume check | test loss saved X vs now X | ... | equal", "continuing at epoch N".
-
-  Turn an SPMD checkpoint into one ordinary torch.save file:
-    python train_tpu.py --resume runs/<run>/checkpoint-spmd --export model.pt
-      -> "export check | ... | equal".
-
-  The article's recompilation example, and the guard to keep for your own model:
-    PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --layerdrop dynamic \
-        --max-recompiles 0
-      -> exit 3 (most seeds): "recompiled N graphs after warm-up, more than --max-recompiles 0".
-    PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --layerdrop static \
-        --max-recompiles 0 --epochs 2
-      -> exit 0: the drop decision lives on the device, so one graph serves every step.
-
-Exit codes: 0 done, 2 bad input, 3 too many recompiles, 4 a resumed checkpoint does not
-reproduce its saved test loss, 5 a smoke check failed, 21 below --target-accuracy (1 is left to
-Python: an unexpected error, with its traceback).
+The spine (flags, data, model, step, epoch, launch) comes first; the instruments it calls
+(checks before the runtime, checkpoints, stopping early, logging, the smoke verdict,
+benchmarks) follow. To train your own model, replace the two sections marked "your own".
+README.md has the rest: what each output line means, exit codes, TPU pods, and the tests.
 """
 
 import argparse
@@ -74,40 +42,44 @@ from torch.utils.data.distributed import DistributedSampler
 
 try:
     import torch_xla
+    import torch_xla.backends
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.runtime as xr
 except ImportError as e:
-    # A torch_xla built for another torch fails here (undefined C++ symbols). main() turns it
-    # into one line that names both versions, instead of a traceback (check_versions).
+    # A torch_xla built for another torch fails here (undefined C++ symbols): main() says so in
+    # one line that names both versions (check_versions).
     XLA_IMPORT_ERROR = e
 else:
     XLA_IMPORT_ERROR = None
 
-# ---- configuration ---------------------------------------------------------------------------
+# ---- settings --------------------------------------------------------------------------------
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the training set's pixel statistics
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the MNIST training set's pixel statistics
 SYNTHETIC_TRAIN, SYNTHETIC_TEST = 30_000, 5_000  # generated digits per split
 SYNTHETIC_DATA_SEED = 1234  # fixed, so runs with different --seed see the same data
 LAYERDROP_REPEATS = 50  # the article's loop: one shared fc2 applied up to 50 times
-WARMUP_STEPS = 2  # steps per epoch left out of samples/s: step 1 and 2 compile their graphs
+WARMUP_STEPS = 2  # steps per epoch left out of samples/s: steps 1 and 2 compile their graphs
 PROFILE_STEPS = 10  # steps in a --profile trace
 # --smoke: long enough to learn and to have an epoch after warm-up, short enough for a VM check.
 SMOKE_PRESET = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10,
                     target_accuracy=90.0)
-
+# What a resumed run takes from its checkpoint unless the command line says otherwise.
+RESUMED_SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed",
+                    "steps_per_epoch", "layerdrop", "layerdrop_prob", "bf16")
 EXIT_BAD_INPUT, EXIT_RECOMPILES, EXIT_RESUME_MISMATCH, EXIT_SMOKE_FAILED = 2, 3, 4, 5
 EXIT_BELOW_TARGET = 21  # as pytorch/xla's test_train_mp_mnist.py
 
 
 class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
+    """Bad input: one line, exit code 2 (the `code` attribute)."""
+    code = EXIT_BAD_INPUT
 
 
 class TrainingFailed(Exception):
-    """The run finished or stopped but failed a check: one line, a non-zero exit code."""
+    """The run ended but failed a check: one line, a non-zero exit code."""
 
     def __init__(self, message, code):
         super().__init__(message, code)  # both in args, so it survives pickling out of spawn
@@ -117,110 +89,139 @@ class TrainingFailed(Exception):
         return self.message
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # argparse prints the whole usage before its error; one line is easier to act on.
-        raise UsageError(f"{message} (see --help)")
+def is_master():
+    """The one place that decides who prints and who writes: global ordinal 0.
+
+    Before the runtime starts (the parent process, --export) there is only us; asking the
+    runtime would start it, and xmp.spawn cannot run after that.
+    """
+    return not torch_xla._XLAC._xla_runtime_is_initialized() or xr.global_ordinal() == 0
 
 
-class _Help(argparse.HelpFormatter):
-    def _get_help_string(self, action):
-        # Show real defaults; "None" and "False" would say nothing.
-        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) \
-                or "default" in action.help:
-            return action.help
-        return action.help + " (default: %(default)s)"
+def print0(*args, **kwargs):
+    if is_master():
+        print(*args, **kwargs, flush=True)
+
+
+# ---- flags -----------------------------------------------------------------------------------
 
 
 def build_parser():
     p = _Parser(prog="train_tpu.py", description="Train the article's ToyModel on TPU cores.",
                 allow_abbrev=False, formatter_class=_Help)
-
-    hw = p.add_argument_group("devices")
-    hw.add_argument("--cores", type=int, default=None, metavar="N",
-                    help="devices to train on: 1, or all of them (the default)")
-    hw.add_argument("--spmd", action="store_true",
-                    help="one process drives every device; the batch is sharded by GSPMD")
-
-    data = p.add_argument_group("data")
-    data.add_argument("--data", choices=("mnist", "synthetic"), default="mnist",
-                      help="torchvision MNIST, or generated digits made in memory")
-    data.add_argument("--data-dir", default="data", metavar="DIR",
-                      help="where MNIST lives (DIR/MNIST/raw/*-ubyte) or is downloaded to")
-    data.add_argument("--num-workers", type=int, default=0, metavar="N",
-                      help="DataLoader worker processes per replica")
-
-    train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=3, metavar="N",
-                       help="epochs to train in total")
-    train.add_argument("--batch-size", type=int, default=128, metavar="N",
-                       help="samples per core per step")
-    train.add_argument("--lr", type=float, default=0.05,
-                       help="SGD learning rate, used as given (not scaled with the world size)")
-    train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
-    train.add_argument("--steps-per-epoch", type=int, default=None, metavar="N",
-                       help="stop each epoch after N steps (quick runs; default: the whole set)")
-    train.add_argument("--seed", type=int, default=0,
-                       help="seeds the weights, the shuffling and the layerdrop coin flips")
-    train.add_argument("--bf16", action="store_true",
-                       help="autocast the training forward pass and loss to bfloat16 on the "
-                            "device; weights, optimizer and evaluation stay float32")
-    train.add_argument("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
-                       help="exit 21 if the final test accuracy (0-100) is below this")
-
-    drop = p.add_argument_group("layerdrop and recompilation")
-    drop.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off",
-                      help="off: ToyModel; dynamic: the article's host coin flips (recompiles); "
-                           "static: the same drops decided on the device (one graph)")
-    drop.add_argument("--layerdrop-prob", type=float, default=0.5, metavar="P",
-                      help="probability that each of the 50 fc2 applications is dropped")
-    drop.add_argument("--max-recompiles", type=int, default=None, metavar="N",
-                      help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
-    drop.add_argument("--metrics-debug", action="store_true",
-                      help="print torch_xla's full metrics report after every epoch")
-    drop.add_argument("--benchmark", choices=("layerdrop",), default=None,
-                      help="layerdrop: time --steps-per-epoch steps (default 40) of dynamic "
-                           "and static layerdrop on one device, print the figures, exit")
-
-    smoke = p.add_argument_group("smoke test of a new TPU VM")
-    smoke.add_argument("--smoke", action="store_true",
-                       help="a short run that ends with a PASS/FAIL verdict per check; exit 0 "
-                            "only if all pass (presets, unless given: " + ", ".join(
-                                f"--{k.replace('_', '-')} {v}" for k, v in SMOKE_PRESET.items())
-                            + ")")
-    smoke.add_argument("--report", default=None, metavar="PATH",
-                       help="with --smoke: also write the verdict as JSON to PATH")
-    smoke.add_argument("--deadline-scale", type=float, default=1.0, metavar="X",
-                       help="with --smoke: multiply each check's deadline by X (a check that "
-                            "does not finish in time FAILs, so a hang never blocks the verdict)")
-    smoke.add_argument("--matmul-precision", choices=("default", "high", "highest"),
-                       default="default",
-                       help="TPU matmul precision (default: one bfloat16 pass); the numerics "
-                            "check's tolerance follows it")
-
-    out = p.add_argument_group("logging and checkpoints")
-    out.add_argument("--log-steps", type=int, default=20, metavar="N", help="log every N steps")
-    out.add_argument("--out-dir", default=None, metavar="DIR",
-                     help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
-    out.add_argument("--overwrite", action="store_true",
-                     help="start clean in an --out-dir that already holds a run (deletes it)")
-    out.add_argument("--profile", default=None, metavar="DIR",
-                     help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR")
-    out.add_argument("--save-steps", type=int, default=None, metavar="N",
-                     help="also checkpoint every N training steps (default: at epoch ends only)")
-    out.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
-                     help="checkpoints kept in --out-dir, the newest always among them")
-    out.add_argument("--resume", default=None, metavar="PATH",
-                     help="continue from a checkpoint: an xm.save file or an SPMD directory")
-    out.add_argument("--export", default=None, metavar="FILE",
-                     help="with --resume: write that checkpoint as one torch.save file, then exit")
-
+    g = p.add_argument_group("devices")
+    g.add_argument("--cores", type=int, metavar="N",
+                   help="devices to train on: 1, or all of them (the default)")
+    g.add_argument("--spmd", action="store_true",
+                   help="one process drives every device; the batch is sharded by GSPMD")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", choices=("mnist", "synthetic"), default="mnist",
+                   help="torchvision MNIST, or generated digits made in memory")
+    g.add_argument("--data-dir", default="data", metavar="DIR",
+                   help="where MNIST lives (DIR/MNIST/raw/*-ubyte) or is downloaded to")
+    g.add_argument("--num-workers", type=int, default=0, metavar="N",
+                   help="DataLoader worker processes per replica")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=3, metavar="N", help="epochs to train in total")
+    g.add_argument("--batch-size", type=int, default=128, metavar="N",
+                   help="samples per core per step")
+    g.add_argument("--lr", type=float, default=0.05,
+                   help="SGD learning rate, used as given (not scaled with the world size)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
+    g.add_argument("--steps-per-epoch", type=int, metavar="N",
+                   help="stop each epoch after N steps (quick runs; default: the whole set)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the weights, the shuffling and the layerdrop coin flips")
+    g.add_argument("--bf16", action="store_true",
+                   help="autocast the training forward pass and loss to bfloat16 on the device;"
+                        " weights, optimizer and evaluation stay float32")
+    g.add_argument("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
+                   help="exit 21 if the final test accuracy (0-100) is below this")
+    g = p.add_argument_group("layerdrop and recompilation")
+    g.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off",
+                   help="off: ToyModel; dynamic: the article's host coin flips (recompiles); "
+                        "static: the same drops decided on the device (one graph)")
+    g.add_argument("--layerdrop-prob", type=float, default=0.5, metavar="P",
+                   help="probability that each of the 50 fc2 applications is dropped")
+    g.add_argument("--max-recompiles", type=int, metavar="N",
+                   help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
+    g.add_argument("--metrics-debug", action="store_true",
+                   help="print torch_xla's full metrics report after every epoch")
+    g = p.add_argument_group("smoke test and benchmarks")
+    g.add_argument("--smoke", action="store_true",
+                   help="a short run that ends with a PASS/FAIL verdict per check; exit 0 only if"
+                        " all pass (presets, unless given: " + ", ".join(
+                            f"--{k.replace('_', '-')} {v}" for k, v in SMOKE_PRESET.items()) + ")")
+    g.add_argument("--benchmark", choices=("layerdrop", "host"),
+                   help="layerdrop: dynamic vs static layerdrop on one device; host: input, "
+                        "steps/s and host-device waits; print the figures and exit")
+    g.add_argument("--report", metavar="PATH",
+                   help="with --smoke or --benchmark host: also write the figures as JSON")
+    g.add_argument("--deadline-scale", type=float, default=1.0, metavar="X",
+                   help="with --smoke: multiply each check's deadline by X (a check that does not"
+                        " finish in time FAILs, so a hang never blocks the verdict)")
+    g.add_argument("--matmul-precision", choices=("default", "high", "highest"),
+                   default="default", help="TPU matmul precision (default: one bfloat16 pass); "
+                                           "the numerics check's tolerance follows it")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-steps", type=int, default=20, metavar="N", help="log every N steps")
+    g.add_argument("--out-dir", metavar="DIR",
+                   help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start clean in an --out-dir that already holds a run (deletes it)")
+    g.add_argument("--profile", metavar="DIR",
+                   help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR")
+    g.add_argument("--save-steps", type=int, metavar="N",
+                   help="also checkpoint every N training steps (default: at epoch ends only)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="checkpoints kept in --out-dir, the newest always among them")
+    g.add_argument("--resume", metavar="PATH",
+                   help="continue from a checkpoint: an xm.save file, an SPMD directory, or a run")
+    g.add_argument("--export", metavar="FILE",
+                   help="with --resume: write that checkpoint as one torch.save file, then exit")
     return p
 
 
-# What a resumed run takes from its checkpoint unless the command line says otherwise.
-RESUMED_SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed",
-                    "steps_per_epoch", "layerdrop", "layerdrop_prob", "bf16")
+def flag_rules(a):
+    """(what was given, is it bad, what to do): checked in order, right after parsing."""
+    at_least_1 = ("epochs", "batch_size", "log_steps", "cores", "keep_checkpoints", "save_steps",
+                  "steps_per_epoch")
+    traced = WARMUP_STEPS + PROFILE_STEPS  # --profile traces the steps after warm-up
+    no_folder = lambda path: path and not os.path.isdir(os.path.dirname(os.path.abspath(path)))
+    return [(f"--{n.replace('_', '-')} {getattr(a, n)}", getattr(a, n) is not None and
+             getattr(a, n) < 1, "must be at least 1") for n in at_least_1] + [
+        (f"--num-workers {a.num_workers}", a.num_workers < 0, "must be 0 or more"),
+        (f"--lr {a.lr}", not (a.lr > 0 and math.isfinite(a.lr)), "must be a positive number"),
+        (f"--momentum {a.momentum}", not 0 <= a.momentum < 1, "must be in [0, 1)"),
+        (f"--layerdrop-prob {a.layerdrop_prob}", not 0 <= a.layerdrop_prob <= 1,
+         "must be in [0, 1]"),
+        # Above 100 is allowed and unreachable: a way to see a run (or a smoke check) fail.
+        (f"--target-accuracy {a.target_accuracy}", not 0 <= a.target_accuracy < math.inf,
+         "a percentage, 0 or more"),
+        (f"--deadline-scale {a.deadline_scale}", not 0 < a.deadline_scale < math.inf,
+         "must be a positive number"),
+        (f"--max-recompiles {a.max_recompiles}", (a.max_recompiles or 0) < 0, "must be 0 or more"),
+        (f"--resume {a.resume}", a.resume and not os.path.exists(a.resume),
+         "no such file or directory"),
+        (f"--export {a.export}", a.export and os.path.isdir(a.export), "a folder is there; name "
+         f"the file to write, e.g. {os.path.join(a.export or '', 'model.pt')}"),
+        ("--export needs --resume PATH", a.export and not a.resume, "the checkpoint to convert"),
+        (f"--profile traces steps {WARMUP_STEPS + 1}-{traced}",
+         a.profile and (a.steps_per_epoch or traced + 1) <= traced,
+         f"--steps-per-epoch must be more than {traced}"),
+        (f"--profile {a.profile}", a.profile and os.path.isfile(a.profile),
+         "a file is there; name a folder for the trace"),
+        ("--report writes the smoke verdict or the host benchmark",
+         a.report and not (a.smoke or a.benchmark == "host"), "add --smoke or --benchmark host"),
+        ("--smoke checks a fresh run", a.smoke and a.resume, "leave out --resume"),
+        (f"--steps-per-epoch {a.steps_per_epoch}",
+         a.benchmark and (a.steps_per_epoch or 99) <= WARMUP_STEPS,
+         f"the benchmark needs more than {WARMUP_STEPS} steps (the first {WARMUP_STEPS} "
+         "compile)"),
+        (f"--export {a.export}", no_folder(a.export),
+         f"the folder {os.path.dirname(a.export or '')} does not exist"),
+        (f"--report {a.report}", no_folder(a.report),
+         f"the folder {os.path.dirname(a.report or '')} does not exist")]
 
 
 def parse_args(argv=None):
@@ -235,304 +236,44 @@ def parse_args(argv=None):
         for name, value in SMOKE_PRESET.items():
             if name not in args.explicit:
                 setattr(args, name, value)
-
-    def positive(name, value):
-        if value < 1:
-            raise UsageError(f"--{name} {value}: must be at least 1")
-
-    positive("epochs", args.epochs)
-    positive("batch-size", args.batch_size)
-    positive("log-steps", args.log_steps)
-    positive("keep-checkpoints", args.keep_checkpoints)
-    if args.save_steps is not None:
-        positive("save-steps", args.save_steps)
-    if args.steps_per_epoch is not None:
-        positive("steps-per-epoch", args.steps_per_epoch)
-    if args.cores is not None:
-        positive("cores", args.cores)
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers {args.num_workers}: must be 0 or more")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise UsageError(f"--lr {args.lr}: must be a positive number")
-    if not 0 <= args.momentum < 1:
-        raise UsageError(f"--momentum {args.momentum}: must be in [0, 1)")
-    if not 0 <= args.layerdrop_prob <= 1:
-        raise UsageError(f"--layerdrop-prob {args.layerdrop_prob}: must be in [0, 1]")
-    if not 0 <= args.target_accuracy < math.inf:
-        # Above 100 is allowed and unreachable: a way to see a run (or a smoke check) fail.
-        raise UsageError(f"--target-accuracy {args.target_accuracy}: a percentage, 0 or more")
-    if not 0 < args.deadline_scale < math.inf:
-        raise UsageError(f"--deadline-scale {args.deadline_scale}: must be a positive number")
-    if args.max_recompiles is not None and args.max_recompiles < 0:
-        raise UsageError(f"--max-recompiles {args.max_recompiles}: must be 0 or more")
-    if args.resume is not None and not os.path.exists(args.resume):
-        raise UsageError(f"--resume {args.resume}: no such file or directory")
-    if args.export is not None and os.path.isdir(args.export):
-        raise UsageError(f"--export {args.export}: a folder is there; name the file to write, "
-                         f"e.g. {os.path.join(args.export, 'model.pt')}")
-    if args.export is not None and args.resume is None:
-        raise UsageError("--export needs --resume PATH: the checkpoint to convert")
-    if args.profile is not None and (args.steps_per_epoch or PROFILE_STEPS + 3) <= \
-            WARMUP_STEPS + PROFILE_STEPS:
-        raise UsageError(f"--profile traces steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + PROFILE_STEPS}"
-                         f": --steps-per-epoch must be more than {WARMUP_STEPS + PROFILE_STEPS}")
-    if args.profile is not None and os.path.isfile(args.profile):
-        raise UsageError(f"--profile {args.profile}: a file is there; name a folder for the trace")
-    if args.report is not None and not args.smoke:
-        raise UsageError("--report writes the smoke verdict: add --smoke")
-    if args.smoke and args.resume:
-        raise UsageError("--smoke checks a fresh run: leave out --resume")
-    if args.benchmark and args.steps_per_epoch is not None and args.steps_per_epoch <= WARMUP_STEPS:
-        raise UsageError(f"--steps-per-epoch {args.steps_per_epoch}: the benchmark needs more "
-                         f"than {WARMUP_STEPS} steps (the first {WARMUP_STEPS} compile)")
-    for flag, path in (("--export", args.export), ("--report", args.report)):
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise UsageError(f"{flag} {path}: the folder {os.path.dirname(path)} does not exist")
+    for given, bad, what in flag_rules(args):
+        if bad:
+            raise UsageError(f"{given}: {what}")
     return args
 
 
-# ---- runtime helpers -------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints its whole usage first; one line is clearer
+        raise UsageError(f"{message} (see --help)")
 
 
-def is_master():
-    """The one place that decides who prints and who writes: global ordinal 0.
-
-    Before the runtime starts (the parent process, --export) there is only us. Asking the
-    runtime would start it, and xmp.spawn cannot run after that.
-    """
-    if not torch_xla._XLAC._xla_runtime_is_initialized():
-        return True
-    return xr.global_ordinal() == 0
+class _Help(argparse.HelpFormatter):
+    def _get_help_string(self, action):  # show real defaults; "None" and "False" say nothing
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) \
+                or "default" in action.help:
+            return action.help
+        return action.help + " (default: %(default)s)"
 
 
-def print0(*args, **kwargs):
-    if is_master():
-        print(*args, **kwargs, flush=True)
+# ---- data: your own goes here (1 of 2 edits: load_split returns it) --------------------------
 
 
-def check_versions(torch_version, xla_version):
-    """torch_xla's C++ is built against one torch release: refuse a pair that does not match."""
-    def release(version):
-        return tuple(version.split("+")[0].split(".")[:2])  # 2.9.0+cu128 -> ("2", "9")
+def load_split(args, train):
+    """(images, labels) of one split as in-memory tensors, normalised: (N, 1, 28, 28), (N,)."""
+    if args.data == "synthetic":
+        n = SYNTHETIC_TRAIN if train else SYNTHETIC_TEST
+        return synthetic_digits(n, SYNTHETIC_DATA_SEED + (0 if train else 1))
+    import torchvision
 
-    if xla_version is None or release(torch_version) != release(xla_version):
-        raise UsageError(f"torch {torch_version} with torch_xla {xla_version}: torch_xla needs the "
-                         "torch release it was built for; install the pair in requirements.txt")
-    if XLA_IMPORT_ERROR is not None:
-        raise UsageError(f"torch {torch_version} with torch_xla {xla_version}: import torch_xla "
-                         f"failed ({XLA_IMPORT_ERROR}); reinstall the pair in requirements.txt")
-
-
-def installed_versions():
-    from importlib import metadata
-
-    try:
-        return torch.__version__, metadata.version("torch_xla")
-    except metadata.PackageNotFoundError:
-        return torch.__version__, None
+    # Reading the uint8 tensor once beats a PIL transform per sample, with the same result as
+    # ToTensor() + Normalize((0.1307,), (0.3081,)).
+    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
+    return normalise(mnist.data.float() / 255.0), mnist.targets
 
 
-def select_runtime():
-    """Picks the PJRT device the way torch_xla would, without starting the runtime.
-
-    xmp.spawn refuses to run once the runtime is up in the parent, so nothing here may touch a
-    device. torch_xla chooses TPU when TPU chips are on the PCI bus, otherwise the CPU. A new
-    TPU VM fails here, before the runtime's long tracebacks, with a line that says what to do.
-    """
-    from torch_xla._internal import tpu  # documented as safe to call before xmp.spawn
-
-    if "PJRT_DEVICE" not in os.environ:
-        os.environ["PJRT_DEVICE"] = "TPU" if tpu.num_available_chips() > 0 else "CPU"
-    kind = os.environ["PJRT_DEVICE"]
-    if kind == "TPU":
-        if tpu.num_available_chips() == 0:
-            # Without this torch_xla asks the GCE metadata server and ends in a traceback.
-            raise UsageError("PJRT_DEVICE=TPU, but this machine has no TPU chip on its PCI bus; "
-                             "unset PJRT_DEVICE (or set PJRT_DEVICE=CPU) to run on the CPU")
-        holders = processes_holding(tpu_device_files())
-        if holders:
-            pid, command = holders[0]
-            raise UsageError(f"the TPU is in use by process {pid} ({command}): only one process "
-                             f"can hold it; stop that one (kill {pid}) and run again")
-        return kind, tpu.num_available_devices()
-    if kind == "CPU":
-        return kind, int(os.environ.get("CPU_NUM_DEVICES", "1"))
-    raise UsageError(f"PJRT_DEVICE={kind}: this script supports TPU and CPU")
-
-
-def tpu_device_files():
-    # libtpu opens the chips as /dev/accel* (TPU v2-v5e) or /dev/vfio/<n> (v5p, v6e); a second
-    # process then fails with "TPU initialization failed" and no hint of who holds them.
-    import glob
-
-    return glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
-
-
-def processes_holding(paths):
-    """[(pid, command)] of other processes with one of `paths` open, read from /proc."""
-    wanted, found = {os.path.realpath(p) for p in paths}, []
-    for pid in filter(str.isdigit, os.listdir("/proc") if wanted else []):
-        if int(pid) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if any(os.path.realpath(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    found.append((int(pid), f.read().replace(b"\0", b" ").decode().strip()))
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
-
-
-def pod_hosts(kind):
-    """(this host's index, hosts in the slice), read before the runtime starts.
-
-    A TPU VM reads both from its metadata (torch_xla/_internal/tpu.py: worker_id and
-    num_tpu_workers). The global master, ordinal 0, runs on host 0.
-    """
-    if kind != "TPU":
-        return 0, 1
-    from torch_xla._internal import tpu
-
-    try:
-        return tpu.worker_id(), tpu.num_tpu_workers()
-    except Exception as e:
-        raise UsageError(f"cannot read this TPU VM's topology from its metadata server "
-                         f"({type(e).__name__}); is this a Cloud TPU VM?")
-
-
-def check_cores(args, kind, available, hosts=1):
-    """Returns the number of devices to use on this host, or says why --cores cannot be."""
-    cores = args.cores or available
-    if hosts > 1 and args.spmd:
-        # SPMD across hosts needs a process group for its checkpoints and one writer per
-        # file; under SPMD every host's ordinal reads 0 (torch_xla/runtime.py), so all would write.
-        raise UsageError(f"--spmd on a pod slice of {hosts} hosts: this script runs SPMD on one "
-                         "host only; leave out --spmd to train data-parallel on every host")
-    if hosts > 1 and cores == 1:
-        raise UsageError(f"--cores 1 on a pod slice of {hosts} hosts: each host would train alone "
-                         "and write the same checkpoint; leave out --cores to use the whole slice")
-    if args.spmd and kind == "CPU":
-        # SPMD on the CPU emulates as many devices as asked; the runtime reads this at start.
-        os.environ["CPU_NUM_DEVICES"] = str(cores)
-        return cores
-    if args.spmd and cores != available:
-        raise UsageError(f"--spmd --cores {cores}: SPMD uses every device, and this machine has "
-                         f"{available} {kind} devices; leave out --cores")
-    if cores > 1 and kind == "CPU":
-        # torch_xla runs the replicas of one CPU process as threads, and its collectives across
-        # them hang (pytorch/xla issues 5005 and 9089): the gradient all-reduce never returns.
-        raise UsageError(
-            f"--cores {cores} on the CPU: this machine has {available} CPU device(s), and "
-            "torch_xla's CPU collectives hang across replicas (pytorch/xla#5005); use --cores 1,"
-            " or --spmd --cores N to shard each batch over N emulated CPU devices")
-    if cores not in (1, available):
-        # xmp.spawn runs one replica, or one per device: nothing in between.
-        raise UsageError(f"--cores {cores}: this machine has {available} {kind} devices; use "
-                         f"--cores 1 (one device) or --cores {available} (all of them)")
-    return cores
-
-
-@dataclasses.dataclass
-class Topology:
-    """Who this process is in the run, as the data pipeline and the logs need it."""
-    device: torch.device
-    world: int  # data-parallel replicas that each load their own shard (1 under SPMD)
-    rank: int
-    devices: int  # devices that share one global batch (world under multi-core)
-    mesh: object = None  # the SPMD mesh, None in multi-core mode
-
-    @property
-    def spmd(self):
-        return self.mesh is not None
-
-    @property
-    def emulated(self):
-        """More replicas than devices: only the test suite's emulated world (README) does that."""
-        return not self.spmd and self.world > xr.global_runtime_device_count()
-
-    def agree_max(self, *values):
-        """The largest of each value over all replicas, so that every replica takes the same
-        decision: one that stops alone leaves the others waiting in their next all-reduce."""
-        if self.spmd or self.world == 1:
-            return values
-        torch_xla.sync()  # cut the step's graph where the loader would: the same graphs
-        shared = xm.all_reduce(xm.REDUCE_MAX, torch.tensor(values, dtype=torch.float32,
-                                                           device=self.device))
-        return tuple(int(v) for v in shared.cpu())  # deliberate sync, at boundaries only
-
-    def loader(self, loader):
-        """MpDeviceLoader: overlaps the host-to-device copy with the step, and cuts the graph."""
-        if not self.spmd:
-            return pl.MpDeviceLoader(loader, self.device)
-        import torch_xla.distributed.spmd as xs
-
-        # Under SPMD the loader shards each batch as it copies it: the batch dimension is split
-        # over the mesh's "data" axis, one slice per device. One spec per field of the dict:
-        # https://docs.pytorch.org/xla/release/r2.8/perf/spmd_advanced.html
-        spec = {name: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (t.dim() - 1))
-                for name, t in loader.dataset.fields.items()}
-        return pl.MpDeviceLoader(loader, self.device, input_sharding=spec)
-
-    def reduce(self, totals):
-        if self.spmd:
-            return totals  # one program over the global batch: the sums are global already
-        return xm.all_reduce(xm.REDUCE_SUM, totals)
-
-
-class CompileCounter:
-    """Compilations, read from torch_xla's metrics; warm-up ends after the run's first epoch."""
-
-    def __init__(self):
-        self.at_epoch_start = self.at_warmup_end = None
-
-    @staticmethod
-    def read():
-        data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples) or None
-        return (data[0], data[1] / 1e9) if data else (0, 0.0)
-
-    def start_epoch(self):
-        self.at_epoch_start = self.read()[0]
-
-    def recompiles_so_far(self):
-        return 0 if self.at_warmup_end is None else self.read()[0] - self.at_warmup_end
-
-    def end_epoch(self, first_epoch):
-        total, seconds = self.read()
-        if first_epoch:
-            self.at_warmup_end = total
-        return dict(compiles_epoch=total - self.at_epoch_start, compiles_total=total,
-                    compile_seconds=round(seconds, 3),
-                    recompiles_after_warmup=total - self.at_warmup_end,
-                    cpu_fallback_ops=cpu_fallback_ops())
-
-
-def cpu_fallback_ops():
-    """Ops that ran on the CPU for want of an XLA lowering, by name and count.
-
-    torch_xla counts each as an `aten::NAME` counter. `aten::_local_scalar_dense` is `.item()`
-    itself (a deliberate read, not a model op): this script reads values with `.cpu()` instead,
-    so it appears only if the model calls `.item()`.
-    """
-    return {name: met.counter_value(name) for name in met.counter_names()
-            if name.startswith("aten::")}
-
-
-def format_fallbacks(ops):
-    return ", ".join(f"{name} x{count}" for name, count in ops.items()) or "none"
-
-
-def format_compiles(c, first_epoch, epoch="this epoch"):
-    """The four figures: the epoch's compilations, the total, the seconds spent compiling, and
-    the recompiles after warm-up; then the ops that fell back to the CPU."""
-    warm = " (this epoch was the warm-up)" if first_epoch else ""
-    return (f"compiles | {epoch} {c['compiles_epoch']} | total {c['compiles_total']} | "
-            f"{c['compile_seconds']:.1f} s compiling | recompiles after warm-up "
-            f"{c['recompiles_after_warmup']}{warm} | CPU fallback ops: "
-            f"{format_fallbacks(c['cpu_fallback_ops'])}")
-
-
-# ---- data: your own goes here (1 of 2 edits; load_split returns it) ---------------------------
+def normalise(images):
+    """[0, 1] pixels of shape (N, 28, 28) -> the model's (N, 1, 28, 28) input."""
+    return ((images - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
 
 
 # Seven-segment strokes (row0, row1, col0, col1) in a 20 x 12 glyph, and each digit's strokes.
@@ -544,14 +285,13 @@ DIGITS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "a
 def synthetic_digits(n, seed):
     """Digit-like 28 x 28 images: seven-segment glyphs, shifted, dimmed and noised at random.
 
-    Deterministic for a given (n, seed). The glyph moves by up to 4 pixels, so matching fixed
-    pixel templates does poorly (see the tests): a high accuracy shows the model really learns.
+    The glyph moves by up to 4 pixels, so fixed pixel templates do poorly (see the tests): a
+    high accuracy shows the model really learns. Deterministic for a given (n, seed).
     """
     g = torch.Generator().manual_seed(seed)
     glyphs = torch.zeros(10, 20, 12)
     for digit, strokes in enumerate(DIGITS):
-        for s in strokes:
-            r0, r1, c0, c1 = SEGMENTS[s]
+        for r0, r1, c0, c1 in (SEGMENTS[s] for s in strokes):
             glyphs[digit, r0:r1, c0:c1] = 1.0
     labels = torch.randint(0, 10, (n,), generator=g)
     shifts = torch.randint(-4, 5, (n, 2), generator=g)
@@ -564,17 +304,11 @@ def synthetic_digits(n, seed):
     return normalise(images), labels
 
 
-def normalise(images):
-    """[0, 1] pixels of shape (N, 28, 28) -> the model's (N, 1, 28, 28) input."""
-    return ((images - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
-
-
 def prepare_data(args):
     """Makes sure MNIST is in --data-dir before any replica starts, so replicas never race.
 
-    Every host of a pod runs this: each host's local disk needs its own copy. Hosts that share
-    one disk would race, so each downloads into a private folder and moves the finished files
-    into place with atomic renames; a reader sees a whole file or none.
+    Every host of a pod runs this (each needs its own copy). Hosts that share a disk would race,
+    so each downloads into a private folder and renames the finished files into place.
     """
     if args.data != "mnist" or mnist_present(args.data_dir):
         return
@@ -616,120 +350,20 @@ def mnist_present(data_dir):
 
 
 def quietly():
-    quiet = io.StringIO()
-    stack = contextlib.ExitStack()
-    stack.enter_context(contextlib.redirect_stdout(quiet))
-    stack.enter_context(contextlib.redirect_stderr(quiet))
+    stack, sink = contextlib.ExitStack(), io.StringIO()
+    stack.enter_context(contextlib.redirect_stdout(sink))
+    stack.enter_context(contextlib.redirect_stderr(sink))
     return stack
 
 
-def load_split(args, train):
-    """(images, labels) of one split, normalised, as in-memory tensors."""
-    if args.data == "synthetic":
-        n = SYNTHETIC_TRAIN if train else SYNTHETIC_TEST
-        return synthetic_digits(n, SYNTHETIC_DATA_SEED + (0 if train else 1))
-    import torchvision
-
-    # Reading the uint8 tensor once beats a PIL transform per sample, with the same result as
-    # ToTensor() + Normalize((0.1307,), (0.3081,)).
-    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
-    return normalise(mnist.data.float() / 255.0), mnist.targets
-
-
-# ---- batching and sharding --------------------------------------------------------------------
-
-
-class Examples(Dataset):
-    """Equal-length tensors served as dicts, so each field can get its own sharding.
-
-    Given a whole batch of indices, it returns the whole batch in one indexing per field:
-    about ten times the samples/s of building the batch sample by sample and collating
-    (--benchmark host), which matters under SPMD, where one process loads every device's batch.
-    """
-
-    def __init__(self, **fields):
-        self.fields = fields
-
-    def __len__(self):
-        return len(next(iter(self.fields.values())))
-
-    def __getitem__(self, i):
-        if isinstance(i, list):  # a batch: one index_select per field (faster than t[list])
-            i = torch.as_tensor(i)
-            return {name: t.index_select(0, i) for name, t in self.fields.items()}
-        return {name: t[i] for name, t in self.fields.items()}
-
-
-def batches(dataset, sampler, batch_size, drop_last, num_workers=0):
-    """A DataLoader that asks `dataset` for a batch at a time, in the sampler's order.
-
-    The same batches, in the same order, as DataLoader(dataset, batch_size, sampler=sampler)."""
-    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
-                      batch_size=None, num_workers=num_workers,
-                      worker_init_fn=leave_signals_to_the_replica if num_workers else None)
-
-
-def leave_signals_to_the_replica(worker_id):
-    """A DataLoader worker ignores SIGTERM and Ctrl-C: its replica saves, stops and ends it."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-class EpochWindow(torch.utils.data.Sampler):
-    """Part of each epoch's shuffle: --steps-per-epoch cuts its end; a run resumed in the
-    middle of an epoch skips the samples already trained on (same order, so the rest is
-    exactly what the interrupted run would have seen)."""
-
-    def __init__(self, sampler, stop=None):
-        self.sampler, self.start, self.stop = sampler, 0, stop
-
-    def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.start, self.stop)
-
-    def __len__(self):
-        return max(0, min(self.stop or len(self.sampler), len(self.sampler)) - self.start)
-
-    def set_epoch(self, epoch, start=0):
-        self.sampler.set_epoch(epoch)
-        self.start = start
-
-
-def train_loader(images, labels, batch_size, world, rank, seed, num_workers, max_steps=None):
-    """Each replica's shard of the training set, reshuffled every epoch (call set_epoch)."""
-    dataset = Examples(image=images, label=labels)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=True)
-    sampler = EpochWindow(sampler, max_steps * batch_size if max_steps else None)
-    # drop_last: every step has one shape, so the last partial batch does not compile a graph.
-    return batches(dataset, sampler, batch_size, True, num_workers), sampler
-
-
-def eval_shard(images, labels, batch_size, world, rank):
-    """This replica's share of the test set: every sample counted exactly once across replicas.
-
-    DistributedSampler would repeat samples to even out the shards, and drop_last would skip
-    some. Instead each shard is padded to whole batches with samples marked valid=0, so each
-    batch has one shape (no extra graph for a short last batch) and the padding counts for
-    nothing.
-    """
-    per_rank = math.ceil(len(labels) / world)
-    padded = math.ceil(per_rank / batch_size) * batch_size
-    index = torch.arange(rank, len(labels), world)
-    valid = torch.zeros(padded)
-    valid[:len(index)] = 1.0
-    index = torch.cat([index, torch.zeros(padded - len(index), dtype=torch.long)])
-    return Examples(image=images[index], label=labels[index], valid=valid)
-
-
-# ---- model: your own goes here (2 of 2 edits; build_model builds it) --------------------------
+# ---- model: your own goes here (2 of 2 edits: build_model builds it) -------------------------
 
 
 class ToyModel(nn.Module):
     """The article's ToyModel, and with layerdrop its second, dynamic version.
 
-    The article ends both with nn.Softmax; this returns logits instead, because
-    F.cross_entropy applies log-softmax itself, and a softmax before it would apply softmax
-    twice: the loss flattens and learning slows.
+    The article ends both with nn.Softmax; this returns logits, because F.cross_entropy applies
+    log-softmax itself: softmax twice flattens the loss and slows learning.
     """
 
     def __init__(self, layerdrop="off", layerdrop_prob=0.5):
@@ -752,18 +386,13 @@ class ToyModel(nn.Module):
         static: a bool tensor on the device. Every application is traced and torch.where picks
         fc2(x) or x, so one graph serves every step, at the price of computing fc2 each time.
         """
-        x = F.relu(self.conv1(x))
-        x = torch.flatten(self.mp1(x), 1)
-        x = self.fc1(x)
+        x = self.fc1(torch.flatten(self.mp1(F.relu(self.conv1(x))), 1))
         if self.layerdrop == "off":
             return x
         for i in range(LAYERDROP_REPEATS):
-            if keep is None:
+            if keep is None or (self.layerdrop == "dynamic" and keep[i]):
                 x = self.fc2(x)
-            elif self.layerdrop == "dynamic":
-                if keep[i]:
-                    x = self.fc2(x)
-            else:
+            elif self.layerdrop == "static":
                 x = torch.where(keep[i], self.fc2(x), x)
         return self.fc3(x)
 
@@ -780,10 +409,9 @@ def build_model(args):
 def drop_pattern(seed, epoch, step, prob):
     """The keep decisions of one step: a pure function of (seed, epoch, step).
 
-    In data-parallel training every replica must drop the same applications. A replica that
-    skipped fc2 entirely would have no fc2 gradient, its all-reduce would carry a different
-    list of tensors than the others', and the collective hangs or mixes up gradients. Seeding
-    from (seed, epoch, step), never from the replica, keeps all replicas on one graph.
+    Every replica must drop the same applications: one that skipped fc2 would have no fc2
+    gradient, its all-reduce would carry other tensors than the others', and the collective
+    hangs or mixes gradients. So the seed comes from (seed, epoch, step), never the replica.
     """
     key = hashlib.sha256(f"{seed}/{epoch}/{step}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
@@ -791,45 +419,171 @@ def drop_pattern(seed, epoch, step, prob):
 
 
 def layerdrop_keep(args, epoch, step, device):
-    """The `keep` argument for this step's forward, on the host or on the device."""
+    """The `keep` argument for this step's forward (None with --layerdrop off)."""
     if args.layerdrop == "off":
         return None
     keep = drop_pattern(args.seed, epoch, step, args.layerdrop_prob)
-    if args.layerdrop == "dynamic":
-        return keep
-    # A host-to-device copy of 50 bools: new data each step, the same graph.
-    return torch.tensor(keep, device=device)
+    # static: 50 bools copied to the device, new data each step and the same graph.
+    return keep if args.layerdrop == "dynamic" else torch.tensor(keep, device=device)
 
 
-# ---- step ------------------------------------------------------------------------------------
+# ---- input: each replica's shard, a batch at a time, onto the device -------------------------
+
+
+class Examples(Dataset):
+    """Equal-length tensors served as dicts, so each field can get its own sharding.
+
+    Given a whole batch of indices it returns the batch with one index_select per field: about
+    ten times the samples/s of building it sample by sample and collating (--benchmark host),
+    which matters under SPMD, where one process loads every device's batch.
+    """
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __len__(self):
+        return len(next(iter(self.fields.values())))
+
+    def __getitem__(self, i):
+        if isinstance(i, list):
+            i = torch.as_tensor(i)
+            return {name: t.index_select(0, i) for name, t in self.fields.items()}
+        return {name: t[i] for name, t in self.fields.items()}
+
+
+def batches(dataset, sampler, batch_size, drop_last, num_workers=0):
+    """The batches DataLoader(dataset, batch_size, sampler=sampler) gives, asked for whole."""
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
+                      batch_size=None, num_workers=num_workers,
+                      worker_init_fn=leave_signals_to_the_replica if num_workers else None)
+
+
+def leave_signals_to_the_replica(worker_id):
+    """A DataLoader worker ignores SIGTERM and Ctrl-C: its replica saves, stops and ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class EpochWindow(torch.utils.data.Sampler):
+    """Part of each epoch's shuffle: --steps-per-epoch cuts its end, and a run resumed mid-epoch
+    skips what it trained on (same order, so the rest is what the interrupted run would see)."""
+
+    def __init__(self, sampler, stop=None):
+        self.sampler, self.start, self.stop = sampler, 0, stop
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.start, self.stop)
+
+    def __len__(self):
+        return max(0, min(self.stop or len(self.sampler), len(self.sampler)) - self.start)
+
+    def set_epoch(self, epoch, start=0):
+        self.sampler.set_epoch(epoch)
+        self.start = start
+
+
+def train_loader(images, labels, batch_size, world, rank, seed, num_workers, max_steps=None):
+    """Each replica's shard of the training set, reshuffled every epoch (call set_epoch)."""
+    dataset = Examples(image=images, label=labels)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=seed, drop_last=True)
+    sampler = EpochWindow(sampler, max_steps * batch_size if max_steps else None)
+    # drop_last: every step has one shape, so a last partial batch compiles no extra graph.
+    return batches(dataset, sampler, batch_size, True, num_workers), sampler
+
+
+def eval_shard(images, labels, batch_size, world, rank):
+    """This replica's share of the test set: every sample counted exactly once in all.
+
+    DistributedSampler would repeat samples to even out the shards. Instead each shard is padded
+    to whole batches with samples marked valid=0: one shape per batch, and padding counts nothing.
+    """
+    per_rank = math.ceil(len(labels) / world)
+    padded = math.ceil(per_rank / batch_size) * batch_size
+    index = torch.arange(rank, len(labels), world)
+    valid = torch.zeros(padded)
+    valid[:len(index)] = 1.0
+    index = torch.cat([index, torch.zeros(padded - len(index), dtype=torch.long)])
+    return Examples(image=images[index], label=labels[index], valid=valid)
+
+
+@dataclasses.dataclass
+class Topology:
+    """Who this process is in the run, as the input pipeline and the logs need it."""
+    device: torch.device
+    world: int  # data-parallel replicas that each load their own shard (1 under SPMD)
+    rank: int
+    devices: int  # devices that share one global batch (the world, in multi-core mode)
+    mesh: object = None  # the SPMD mesh; None in multi-core mode
+
+    @staticmethod
+    def of_this_replica(mesh=None):
+        if mesh is None:
+            return Topology(torch_xla.device(), xr.world_size(), xr.global_ordinal(),
+                            xr.world_size())
+        return Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
+
+    @property
+    def spmd(self):
+        return self.mesh is not None
+
+    @property
+    def emulated(self):
+        """More replicas than devices: only the test suite's emulated world (README) does that."""
+        return not self.spmd and self.world > xr.global_runtime_device_count()
+
+    def loader(self, loader):
+        """MpDeviceLoader: copies the next batches to the device while this step runs, and cuts
+        the step's graph (a sync) each time it hands out a batch."""
+        if not self.spmd:
+            return pl.MpDeviceLoader(loader, self.device)
+        import torch_xla.distributed.spmd as xs
+
+        # Under SPMD it also shards each batch along the mesh's "data" axis, one spec per field:
+        # https://docs.pytorch.org/xla/release/r2.8/perf/spmd_advanced.html
+        spec = {name: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (t.dim() - 1))
+                for name, t in loader.dataset.fields.items()}
+        return pl.MpDeviceLoader(loader, self.device, input_sharding=spec)
+
+    def reduce(self, totals):
+        # Under SPMD one program sees the global batch: its sums are global already.
+        return totals if self.spmd else xm.all_reduce(xm.REDUCE_SUM, totals)
+
+    def agree_max(self, *values):
+        """Each value's maximum over the replicas, so all take the same decision (one that
+        stopped alone would leave the others waiting in their next all-reduce)."""
+        if self.spmd or self.world == 1:
+            return values
+        torch_xla.sync()  # cut the step's graph where the loader would: the same graphs
+        shared = xm.all_reduce(xm.REDUCE_MAX, torch.tensor(values, dtype=torch.float32,
+                                                           device=self.device))
+        return tuple(int(v) for v in to_host(shared)[0])  # a deliberate wait, at boundaries only
+
+
+# ---- the step --------------------------------------------------------------------------------
 
 
 def train_step(model, optimizer, images, labels, keep, spmd, bf16=False):
-    """One step, traced lazily; MpDeviceLoader's next batch cuts and runs the graph."""
+    """One step, traced lazily: nothing runs until MpDeviceLoader's next batch cuts the graph."""
     optimizer.zero_grad()
-    # --bf16: matmuls and convolutions in bfloat16, the float32 weights cast on the fly; the
-    # gradients and the optimizer's update stay float32. https://docs.pytorch.org/xla/release/r2.8/perf/amp.html
-    with torch.autocast("xla", dtype=torch.bfloat16, enabled=bf16):
+    # --bf16: matmuls and convolutions in bfloat16 from the float32 weights; the gradients and
+    # the update stay float32. https://docs.pytorch.org/xla/release/r2.8/perf/amp.html
+    with torch.autocast("xla", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
         logits = model(images) if keep is None else model(images, keep)
         loss = F.cross_entropy(logits, labels)
     loss.backward()
     if spmd:
-        # One program over all devices: GSPMD inserts the gradient all-reduce itself.
-        optimizer.step()
+        optimizer.step()  # one program over every device: GSPMD inserts the all-reduce itself
     else:
-        # All-reduce (average) the gradients across replicas, then step.
-        xm.optimizer_step(optimizer)
+        xm.optimizer_step(optimizer)  # all-reduce (average) the gradients over replicas, step
     return loss
 
 
-# ---- evaluation ------------------------------------------------------------------------------
-
-
 def evaluate(model, batches, reduce_across_replicas=None):
-    """Test loss and accuracy over every sample counted once, summed on the device.
+    """Test loss and accuracy, every sample counted once, summed on the device.
 
-    `batches` yields dicts with image, label and valid (see eval_shard) already on the model's
-    device. Returns (mean loss, accuracy in percent, samples counted).
+    `batches` yields dicts with image, label and valid (see eval_shard), on the model's device.
+    Returns (mean loss, accuracy in percent, samples counted).
     """
     model.eval()
     totals = None
@@ -844,35 +598,497 @@ def evaluate(model, batches, reduce_across_replicas=None):
     model.train()
     if reduce_across_replicas is not None:
         totals = reduce_across_replicas(totals)
-    # Deliberate host sync, once per evaluation: the figures are needed on the host.
-    loss_sum, correct, count = totals.cpu().double().tolist()
+    loss_sum, correct, count = to_host(totals)[0].double().tolist()  # a deliberate wait
     return loss_sum / count, 100.0 * correct / count, int(count)
 
 
-def evaluate_on_cpu(model_state, args):
-    """The same evaluation in eager PyTorch on the host: the reference for export checks."""
-    model = build_model(args)
-    model.load_state_dict(model_state)
-    images, labels = load_split(args, train=False)
-    shard = eval_shard(images, labels, 500, 1, 0)
-    loader = batches(shard, SequentialSampler(shard), 500, False)
-    return evaluate(model, loader)
+# ---- the epoch: steps, then evaluation and the master's save --------------------------------
 
 
-# ---- checkpoints -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+    """What one replica trains, and how: shared by the functions of the training loop."""
+    args: argparse.Namespace
+    device_kind: str
+    topo: Topology
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    test: DataLoader  # this replica's evaluation shard
+    global_batch: int  # samples per step over all devices
+
+    def save(self, position):
+        """Evaluates, then saves at `position` (epoch, steps of it done); the master writes."""
+        loss, accuracy, counted = evaluate(self.model, self.topo.loader(self.test),
+                                           self.topo.reduce)
+        ckpt = checkpoint_dict(self.model, self.optimizer, position, self.args, loss, accuracy,
+                               self.device_kind, self.global_batch)
+        path = save_checkpoint(ckpt, self.args.out_dir, self.topo.spmd, self.args.keep_checkpoints)
+        return path, loss, accuracy, counted
+
+
+def train_epoch(run, loader, epoch, meter, profile=None):
+    """TRAINING: the loop never waits for the device. Losses are read one log window late,
+    when the device has long finished them (EpochMeter), and all of them at the epoch's end."""
+    args, topo, step = run.args, run.topo, meter.start
+    device_batches = iter(topo.loader(loader))
+    try:
+        for step, batch in enumerate(device_batches, meter.start + 1):
+            if profile:
+                profile.at(step)
+            keep = layerdrop_keep(args, epoch, step, topo.device)
+            meter.pending.append(train_step(run.model, run.optimizer, batch["image"],
+                                            batch["label"], keep, topo.spmd, args.bf16))
+            if (step % args.log_steps == 0 or step in (meter.warm, meter.steps)
+                    or (args.save_steps and step % args.save_steps == 0)):
+                # Runs once this step's graph is compiled and launched, not when it finishes.
+                xm.add_step_closure(meter.log_previous_window, args=(step,))
+                if step < meter.steps:  # the epoch's end has its own save
+                    stop_or_save_at(run, epoch, step, meter)
+    finally:
+        if profile:
+            profile.close()
+        # Left early (a stop, an error), MpDeviceLoader's feeder thread would stay blocked on a
+        # full queue, with DataLoader workers alive (torch_xla/distributed/parallel_loader.py).
+        device_batches._loader.close()
+    if step != meter.steps:  # MpDeviceLoader's feeder ends the epoch quietly when input fails
+        raise TrainingFailed(f"the input pipeline stopped after step {step} of {meter.steps} in "
+                             f"epoch {epoch} (an error in the dataset or a DataLoader worker)", 1)
+    meter.log_the_rest()  # the epoch's end: waits for its last steps
+
+
+def stop_or_save_at(run, epoch, step, meter):
+    """At a boundary: save every --save-steps steps; stop, all replicas together, on a signal."""
+    signum = run.topo.agree_max(stop_requested())[0]  # every replica stops here, or none
+    if signum or (run.args.save_steps and step % run.args.save_steps == 0):
+        torch_xla.sync()  # runs this step's closure: its log line comes before the save
+        meter.log_the_rest()  # this step's log line first: metrics.jsonl never lags a save
+        run.save((epoch, step))
+    if signum:
+        run.topo.agree_max(0)  # a barrier: no replica exits while the master is still writing
+        raise stopped(signum, (epoch, step), run.args)
+
+
+def train_epochs(run, loader, sampler, start, watch):
+    """The epochs from `start` (epoch, steps of it done) to --epochs: train, evaluate, save.
+
+    Returns (last checkpoint, its accuracy, every loss of this replica, last epoch's samples/s,
+    its compile figures).
+    """
+    args, topo, steps = run.args, run.topo, len(loader)
+    log, counter, losses = RunLog(args.out_dir), CompileCounter(), []
+    for epoch in range(start[0], args.epochs + 1):
+        first, skip = epoch == start[0], start[1] if epoch == start[0] else 0
+        counter.start_epoch()
+        # A new shuffle each epoch, the same on every replica; resumed mid-epoch, its rest.
+        sampler.set_epoch(epoch, start=skip * run.global_batch // topo.world)
+        meter = EpochMeter(epoch, steps, run.global_batch, topo, log, ProgressBar.create(),
+                           start=skip)
+        began = time.perf_counter()
+        with watch.deadline("training", 300 + 2 * steps):  # compiles, steps, eval, save
+            profile = Profile(args.profile, meter.warm + 1) if args.profile and first else None
+            train_epoch(run, loader, epoch, meter, profile)
+            path, test_loss, accuracy, counted = run.save((epoch + 1, 0))
+        losses += meter.losses
+        # Agreed before end_epoch, so that the agreement's own graph compiles in the warm-up.
+        recompiles, signum = topo.agree_max(counter.recompiles_so_far(), stop_requested())
+        compiles, rate = counter.end_epoch(first), meter.samples_per_s()
+        log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
+                  samples_per_s=rate, seconds=time.perf_counter() - began, **compiles)
+        report_epoch(args, epoch, first, test_loss, accuracy, counted, rate, path, compiles)
+        if signum and epoch < args.epochs:  # after the last epoch there is nothing to stop
+            raise stopped(signum, (epoch + 1, 0), args)
+        if args.max_recompiles is not None and not args.smoke and recompiles > args.max_recompiles:
+            raise TrainingFailed(f"recompiled {recompiles} graphs after warm-up, more than "
+                                 f"--max-recompiles {args.max_recompiles}: the graph changes "
+                                 "from step to step (see --metrics-debug)", EXIT_RECOMPILES)
+    return path, accuracy, losses, rate, compiles
+
+
+# ---- one replica's run, from devices to the last epoch --------------------------------------
+
+
+def run_training(args, device_kind, mesh=None):
+    """Everything one replica does; under SPMD, the one process over the whole mesh."""
+    verdict = Verdict() if args.smoke else None
+    watch = Watchdog(verdict, args)  # with --smoke: every stage below has a deadline
+    with watch.deadline("devices", 120):  # the runtime starts here
+        topo = Topology.of_this_replica(mesh)
+    if args.matmul_precision != "default":
+        torch_xla.backends.set_mat_mul_precision(args.matmul_precision)
+    torch.manual_seed(args.seed)
+    model = build_model(args).to(topo.device)
+    if topo.world > 1:
+        # Seeding is not enough on TPU v2/v3: two devices per chip run as threads of one
+        # process and share the global RNG. Every replica takes the master's initial weights.
+        xm.broadcast_master_param(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+
+    # Each replica loads its own shard; under SPMD the one process loads the global batch.
+    load_batch = args.batch_size * (topo.devices if topo.spmd else 1)
+    images, labels = load_split(args, train=True)
+    loader, sampler = train_loader(images, labels, load_batch, topo.world, topo.rank, args.seed,
+                                   args.num_workers, args.steps_per_epoch)
+    shard = eval_shard(*load_split(args, train=False), load_batch, topo.world, topo.rank)
+    run = Run(args, device_kind, topo, model, optimizer,
+              batches(shard, SequentialSampler(shard), load_batch, False),
+              args.batch_size * topo.devices)
+    if len(loader) == 0:
+        raise UsageError(f"--batch-size {args.batch_size}: a global batch of {run.global_batch}"
+                         f" is larger than the {len(images)} training samples")
+    print0(f"{device_kind} | {'spmd mesh' if topo.spmd else 'world'} {topo.devices} "
+           f"{'devices' if topo.spmd else 'replicas'} | global batch {run.global_batch:,} "
+           f"({args.batch_size} per core) | {len(loader)} steps per epoch | lr {args.lr} "
+           f"(as given, not scaled) | model {type(model).__name__}, layerdrop {args.layerdrop}"
+           f" | out {args.out_dir}")
+
+    if verdict:
+        smoke_checks_before_training(verdict, watch, run, images[:load_batch],
+                                     labels[:load_batch])
+    start, accuracy = resume(run) if args.resume else ((1, 0), None)
+    path, accuracy, losses, rate, compiles = train_epochs(run, loader, sampler, start, watch) \
+        if start[0] <= args.epochs else (None, accuracy, [], None, None)
+    shown = "n/a" if accuracy is None else f"{accuracy:.2f}%"
+    print0(f"done | {args.epochs} epochs | test accuracy {shown} | out {args.out_dir}")
+    if compiles:
+        print0(f"done {format_compiles(compiles, first_epoch=False, epoch='last epoch')}")
+    if verdict:
+        finish_verdict(verdict, watch, run, losses, rate, accuracy, path, compiles)
+    elif (accuracy or 0.0) < args.target_accuracy:
+        raise TrainingFailed(f"test accuracy {shown} is below --target-accuracy "
+                             f"{args.target_accuracy}", EXIT_BELOW_TARGET)
+
+
+# ---- launch: xmp.spawn (one process per TPU chip), or SPMD in this process -------------------
+
+
+def run(args):
+    """Does what the parsed flags ask. Raises UsageError or TrainingFailed."""
+    check_versions(*installed_versions())
+    device_kind, available = select_runtime()
+    host, hosts = pod_hosts(device_kind)
+    if args.resume:
+        inspect_checkpoint(args.resume, args)  # fails fast, and takes the saved settings
+    training = not (args.export or args.benchmark)
+    cores = check_cores(args, device_kind, available, hosts) if training else 1
+    if training:
+        refuse_a_running_runtime(args, cores)
+    prepare_data(args)
+    if args.export:
+        return export_checkpoint(args)
+    if args.benchmark:
+        return BENCHMARKS[args.benchmark](args, device_kind)
+    prepare_out_dir(args, writer=host == 0)
+    with run_files():
+        if args.spmd:
+            run_spmd(args, device_kind)
+        else:
+            spawn_replicas(args, device_kind, cores)
+
+
+def spawn_replicas(args, device_kind, cores):
+    """xmp.spawn, and the failing replica's code and line if one ended the run."""
+    try:
+        # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
+        # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
+        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
+    except Exception:
+        first = ""
+        if os.path.exists(os.environ[FAILURE_FILE]):
+            with open(os.environ[FAILURE_FILE]) as f:
+                first = f.readline()
+        if not first:
+            raise
+        code, line = json.loads(first)
+        raise TrainingFailed(line, code) from None
+
+
+def _mp_fn(index, args, device_kind):
+    """xmp.spawn's entry: called once per replica with its index."""
+    try:
+        run_training(args, device_kind)
+    except BaseException as e:
+        if xr.world_size() == 1:
+            raise  # the only replica, in this process: main() or fit() reports it
+        code, line = describe(e)
+        end_this_replica(code, f"replica {xr.global_ordinal()}: {line}")
+
+
+def run_spmd(args, device_kind):
+    """One process, every device: the same training function, over a 1-D "data" mesh."""
+    import torch_xla.distributed.spmd as xs
+
+    xr.use_spmd()  # before the runtime starts: every tensor is now one global, shardable tensor
+    n = xr.global_runtime_device_count()
+    run_training(args, device_kind, xs.Mesh(np.arange(n), (n,), ("data",)))
+
+
+def main(argv=None):
+    try:
+        run(parse_args(argv))
+    except (Exception, KeyboardInterrupt) as e:
+        code, line = describe(e)
+        print(f"train_tpu.py: {line}", file=sys.stderr)
+        return code
+    return 0
+
+
+def describe(error):
+    """(exit code, one line) for whatever ended a run."""
+    if isinstance(error, (UsageError, TrainingFailed)):
+        return error.code, f"{'error' if isinstance(error, UsageError) else 'failed'}: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return 130, "interrupted"
+    traceback.print_exc()  # a bug (in your model, say): the traceback is what you need
+    return 1, f"failed: {type(error).__name__}: {error} (traceback above)"
+
+
+def fit(**flags):
+    """Python entry with the command line's flags as keywords: fit(cores=1, data="synthetic").
+
+    Runs to the end and returns a Result. Raises UsageError or TrainingFailed where main()
+    would exit non-zero, except for a failed smoke verdict: that comes back in Result.verdict.
+    """
+    args = parse_args(argv_from(**flags))
+    try:
+        run(args)
+    except TrainingFailed as e:
+        if e.code != EXIT_SMOKE_FAILED:
+            raise
+    if args.export or args.benchmark:
+        return None  # no training run to collect: the figures were printed
+    return collect_result(args)
+
+
+def argv_from(**flags):
+    """fit()'s keywords as command-line flags: True is a switch, False and None are left out."""
+    argv = []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:  # 0 is a value: momentum=0
+            argv += [flag, str(value)]
+    return argv
+
+
+# ==== the instruments: each block below is called from the spine at one point =================
+
+# ---- before the runtime starts: versions, the device, pod hosts, --cores ---------------------
+# (run() calls these in the parent process. Nothing here may start the runtime: xmp.spawn
+# refuses to run once it is up.)
+
+
+def check_versions(torch_version, xla_version):
+    """torch_xla's C++ is built against one torch release: refuse a pair that does not match."""
+    def release(version):
+        return tuple(version.split("+")[0].split(".")[:2])  # 2.9.0+cu128 -> ("2", "9")
+
+    if xla_version is None or release(torch_version) != release(xla_version):
+        raise UsageError(f"torch {torch_version} with torch_xla {xla_version}: torch_xla needs the "
+                         "torch release it was built for; install the pair in requirements.txt")
+    if XLA_IMPORT_ERROR is not None:
+        raise UsageError(f"torch {torch_version} with torch_xla {xla_version}: import torch_xla "
+                         f"failed ({XLA_IMPORT_ERROR}); reinstall the pair in requirements.txt")
+
+
+def installed_versions():
+    from importlib import metadata
+
+    try:
+        return torch.__version__, metadata.version("torch_xla")
+    except metadata.PackageNotFoundError:
+        return torch.__version__, None
+
+
+def select_runtime():
+    """(PJRT device kind, devices on this host), chosen as torch_xla would: TPU when TPU chips
+    are on the PCI bus, otherwise the CPU. A TPU VM that cannot work fails here in one line."""
+    from torch_xla._internal import tpu  # documented as safe to call before xmp.spawn
+
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu.num_available_chips() > 0 else "CPU"
+    kind = os.environ["PJRT_DEVICE"]
+    if kind == "CPU":
+        return kind, int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    if kind != "TPU":
+        raise UsageError(f"PJRT_DEVICE={kind}: this script supports TPU and CPU")
+    if tpu.num_available_chips() == 0:
+        # Without this torch_xla asks the GCE metadata server and ends in a traceback.
+        raise UsageError("PJRT_DEVICE=TPU, but this machine has no TPU chip on its PCI bus; "
+                         "unset PJRT_DEVICE (or set PJRT_DEVICE=CPU) to run on the CPU")
+    holders = processes_holding(tpu_device_files())
+    if holders:
+        pid, command = holders[0]
+        raise UsageError(f"the TPU is in use by process {pid} ({command}): only one process "
+                         f"can hold it; stop that one (kill {pid}) and run again")
+    return kind, tpu.num_available_devices()
+
+
+def tpu_device_files():
+    # libtpu opens the chips as /dev/accel* (TPU v2-v5e) or /dev/vfio/<n> (v5p, v6e); a second
+    # process then fails with "TPU initialization failed" and no hint of who holds them.
+    import glob
+
+    return glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
+
+
+def processes_holding(paths):
+    """[(pid, command)] of other processes with one of `paths` open, read from /proc."""
+    wanted, found = {os.path.realpath(p) for p in paths}, []
+    for pid in filter(str.isdigit, os.listdir("/proc") if wanted else []):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.path.realpath(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found.append((int(pid), f.read().replace(b"\0", b" ").decode().strip()))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def pod_hosts(kind):
+    """(this host's index, hosts in the slice), from the TPU VM's metadata
+    (torch_xla/_internal/tpu.py: worker_id, num_tpu_workers). The global master is on host 0."""
+    if kind != "TPU":
+        return 0, 1
+    from torch_xla._internal import tpu
+
+    try:
+        return tpu.worker_id(), tpu.num_tpu_workers()
+    except Exception as e:
+        raise UsageError(f"cannot read this TPU VM's topology from its metadata server "
+                         f"({type(e).__name__}); is this a Cloud TPU VM?")
+
+
+def check_cores(args, kind, available, hosts=1):
+    """Returns the number of devices to use on this host, or says why --cores cannot be."""
+    cores = args.cores or available
+    if hosts > 1 and args.spmd:
+        # SPMD across hosts needs a process group for its checkpoints and one writer per file;
+        # under SPMD every host's ordinal reads 0 (torch_xla/runtime.py), so all would write.
+        raise UsageError(f"--spmd on a pod slice of {hosts} hosts: this script runs SPMD on one "
+                         "host only; leave out --spmd to train data-parallel on every host")
+    if hosts > 1 and cores == 1:
+        raise UsageError(f"--cores 1 on a pod slice of {hosts} hosts: each host would train alone "
+                         "and write the same checkpoint; leave out --cores to use the whole slice")
+    if args.spmd and kind == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(cores)  # the runtime emulates as many as asked
+        return cores
+    if args.spmd and cores != available:
+        raise UsageError(f"--spmd --cores {cores}: SPMD uses every device, and this machine has "
+                         f"{available} {kind} devices; leave out --cores")
+    if cores > 1 and kind == "CPU":
+        # torch_xla runs the replicas of one CPU process as threads, and its collectives across
+        # them hang (pytorch/xla issues 5005 and 9089): the gradient all-reduce never returns.
+        raise UsageError(
+            f"--cores {cores} on the CPU: this machine has {available} CPU device(s), and "
+            "torch_xla's CPU collectives hang across replicas (pytorch/xla#5005); use --cores 1,"
+            " or --spmd --cores N to shard each batch over N emulated CPU devices")
+    if cores not in (1, available):  # xmp.spawn runs one replica, or one per device
+        raise UsageError(f"--cores {cores}: this machine has {available} {kind} devices; use "
+                         f"--cores 1 (one device) or --cores {available} (all of them)")
+    return cores
+
+
+def refuse_a_running_runtime(args, cores):
+    """A second run in one process (a notebook cell run again) would reuse the runtime, whose
+    device count and SPMD mode are fixed at its start: another crashes the process (seen here)."""
+    if torch_xla._XLAC._xla_runtime_is_initialized() and (args.spmd or cores > 1 or xr.is_spmd()):
+        raise UsageError("the XLA runtime is already running in this process (an earlier run "
+                         "or tensor on an XLA device) and cannot switch to SPMD or to another "
+                         "core count; run this in a fresh process (restart the notebook kernel)")
+
+
+# ---- compilations, host-device waits, and the epoch's report ---------------------------------
+
+HOST_WAITS = [0]  # deliberate waits for the device in this process (to_host), a running total
+
+
+def to_host(*tensors, wait=True):
+    """Device tensors as host tensors: the only place the training loop reads device values.
+
+    wait=True marks a deliberate wait: the device may still be computing them, so the host stops
+    until it has caught up. Each epoch's compile line counts them ("host-device waits").
+    """
+    HOST_WAITS[0] += bool(wait)
+    return [t.detach().cpu() for t in tensors]
+
+
+class CompileCounter:
+    """Compilations and waits per epoch, from torch_xla's metrics; warm-up is the first epoch."""
+
+    def __init__(self):
+        self.at_epoch_start = self.at_warmup_end = None
+
+    @staticmethod
+    def read():
+        data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples) or None
+        return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
+    def start_epoch(self):
+        self.at_epoch_start, self.waits_at_start = self.read()[0], HOST_WAITS[0]
+
+    def recompiles_so_far(self):
+        return 0 if self.at_warmup_end is None else self.read()[0] - self.at_warmup_end
+
+    def end_epoch(self, first_epoch):
+        total, seconds = self.read()
+        if first_epoch:
+            self.at_warmup_end = total
+        return dict(compiles_epoch=total - self.at_epoch_start, compiles_total=total,
+                    compile_seconds=round(seconds, 3),
+                    recompiles_after_warmup=total - self.at_warmup_end,
+                    host_waits=HOST_WAITS[0] - self.waits_at_start,
+                    cpu_fallback_ops=cpu_fallback_ops())
+
+
+def cpu_fallback_ops():
+    """Ops that ran on the CPU for want of an XLA lowering, by name and count (torch_xla's
+    `aten::NAME` counters). `aten::_local_scalar_dense` is `.item()` itself: this script reads
+    values with `.cpu()`, so it appears only if the model calls `.item()`."""
+    return {name: met.counter_value(name) for name in met.counter_names()
+            if name.startswith("aten::")}
+
+
+def format_fallbacks(ops):
+    return ", ".join(f"{name} x{count}" for name, count in ops.items()) or "none"
+
+
+def format_compiles(c, first_epoch, epoch="this epoch"):
+    """The epoch's compilations, the total, seconds compiling, recompiles after warm-up, the
+    deliberate host-device waits, and the ops that fell back to the CPU."""
+    warm = " (this epoch was the warm-up)" if first_epoch else ""
+    return (f"compiles | {epoch} {c['compiles_epoch']} | total {c['compiles_total']} | "
+            f"{c['compile_seconds']:.1f} s compiling | recompiles after warm-up "
+            f"{c['recompiles_after_warmup']}{warm} | host-device waits {c['host_waits']} | "
+            f"CPU fallback ops: {format_fallbacks(c['cpu_fallback_ops'])}")
+
+
+def report_epoch(args, epoch, first, test_loss, accuracy, counted, rate, path, compiles):
+    speed = f"{rate:,.0f} samples/s" if rate else "too few steps to time"
+    print0(f"epoch {epoch} done | test loss {test_loss:.4f} | accuracy {accuracy:.2f}% "
+           f"({counted:,} samples) | {speed} | checkpoint {path}")
+    print0(f"epoch {epoch} {format_compiles(compiles, first)}")
+    if args.metrics_debug:
+        print0(met.metrics_report())
+    if is_master():
+        write_plot(args.out_dir)
+
+
+# ---- checkpoints: two formats, one dict ------------------------------------------------------
 #
-# A checkpoint is one dict: model, optimizer, the next epoch to run, the configuration, and the
-# test loss and accuracy measured on the device right before saving. That last figure is how a
-# resumed or converted checkpoint proves it still computes the same thing.
-#
-# Multi-core: xm.save from every replica (it moves tensors to the host), the master writes
-#   OUT/checkpoint.pt via a temporary file and an atomic rename, so a kill mid-write never
-#   leaves a torn file in place of the last good one.
-# SPMD: torch.distributed.checkpoint with torch_xla's SPMD planners, into
-#   OUT/checkpoint-spmd/epoch-NNNN/, written under a temporary name and renamed once complete.
+# A checkpoint is one dict: model, optimizer, where training continues (epoch, and steps of it
+# done, with the global batch they were counted in), the configuration, and the test loss and
+# accuracy measured right before saving: a resumed or converted checkpoint must reproduce them.
+# Multi-core: every replica calls xm.save, the master writes OUT/checkpoint.pt (through a
+#   temporary file and an atomic rename, so a kill mid-write leaves the last good one).
+# SPMD: torch.distributed.checkpoint with torch_xla's SPMD planners, each device's shard as it
+#   is, into OUT/checkpoint-spmd/epoch-NNNN/ (a temporary name until complete).
 #   https://docs.pytorch.org/xla/release/r2.8/perf/spmd_distributed_checkpoint.html
-# The formats differ (pytorch/xla#6660 thread in ../shared/seeds/004_*): --resume detects which
-# one it is given and says so.
+# The formats differ (the pytorch/xla#6660 thread in ../shared/seeds/004_*): --resume detects
+# which one it is given, says so, and converts.
 
 
 def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, device_kind,
@@ -885,40 +1101,33 @@ def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, devic
 
 
 def save_checkpoint(ckpt, out_dir, spmd, keep):
+    """Writes `ckpt` into the run folder, keeping the newest `keep`; returns its path."""
     if spmd:
         return save_spmd_checkpoint(ckpt, out_dir, keep)
     path = os.path.join(out_dir, "checkpoint.pt")
-    tmp = path + ".tmp"
     # Every replica calls xm.save; only the global master moves the tensors to the host and
-    # writes, and the same process renames, so a pod's hosts never write one shared file.
-    # No barrier after it: the others have nothing to wait for (nothing reads the file until
-    # the run ends), and xm.rendezvous would read a size with .item(), a host sync the
-    # fallback accounting counts (xla_rendezvous in torch_xla/core/xla_model.py, 2.9).
-    xm.save(ckpt, tmp, master_only=True, global_master=True)
-    if is_master():
-        if keep > 1 and os.path.exists(path):  # the one replaced stays, named by its position
-            replaced = load_file_checkpoint(path, mmap=True)
-            history = os.path.join(out_dir, f"checkpoint-{position_name(replaced)}.pt")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(history)
-            try:  # a second name for the same file: checkpoint.pt exists at every moment
-                os.link(path, history)
-            except OSError:  # a filesystem without hard links (some network mounts)
-                shutil.copyfile(path, history)
-        os.replace(tmp, path)
-        older = sorted((os.path.join(out_dir, n) for n in os.listdir(out_dir)
-                        if n.startswith("checkpoint-epoch-")),
-                       key=lambda where: saved_position("xm.save", where))
-        for where in older[:max(0, len(older) - (keep - 1))]:
-            os.remove(where)
+    # writes, and it alone renames, so a pod's hosts never write one shared file. No barrier
+    # after it: nothing reads the file until the run ends, and xm.rendezvous would read a size
+    # with .item(), a host sync (xla_rendezvous in torch_xla/core/xla_model.py, 2.9).
+    xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)
+    if not is_master():
+        return path
+    if keep > 1 and os.path.exists(path):  # the one replaced stays, named by its position
+        replaced = position_name(plain_fields("xm.save", path))
+        history = os.path.join(out_dir, f"checkpoint-{replaced}.pt")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(history)
+        try:  # a second name for the same file: checkpoint.pt exists at every moment
+            os.link(path, history)
+        except OSError:  # a filesystem without hard links (some network mounts)
+            shutil.copyfile(path, history)
+    os.replace(path + ".tmp", path)
+    older = sorted((os.path.join(out_dir, n) for n in os.listdir(out_dir)
+                    if n.startswith("checkpoint-epoch-")),
+                   key=lambda where: saved_position("xm.save", where))
+    for where in older[:max(0, len(older) - (keep - 1))]:
+        os.remove(where)
     return path
-
-
-def position_name(ckpt):
-    """epoch-0002 after epoch 2; epoch-0002-step-000050 after 50 steps of epoch 3. Names sort
-    in the order the checkpoints were taken."""
-    name = f"epoch-{ckpt['epoch'] - 1:04d}"
-    return name + (f"-step-{ckpt['step']:06d}" if ckpt.get("step") else "")
 
 
 def save_spmd_checkpoint(ckpt, out_dir, keep):
@@ -926,28 +1135,33 @@ def save_spmd_checkpoint(ckpt, out_dir, keep):
     import torch_xla.experimental.distributed_checkpoint as xc
 
     root = os.path.join(out_dir, "checkpoint-spmd")
-    name = position_name(ckpt)
-    final = os.path.join(root, name)
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    final = os.path.join(root, position_name(ckpt))
+    shutil.rmtree(final + ".tmp", ignore_errors=True)
     with _quiet_dcp_warnings():
-        dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(tmp), planner=xc.SPMDSavePlanner())
+        dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(final + ".tmp"),
+                 planner=xc.SPMDSavePlanner())
     # The plain fields again, readable without loading the shards (and by people: cat it).
-    with open(os.path.join(tmp, "train_tpu.json"), "w") as f:
+    with open(os.path.join(final + ".tmp", "train_tpu.json"), "w") as f:
         json.dump({k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}, f, indent=1)
     if os.path.exists(final):  # the same position saved again: keep the old one until replaced
         os.replace(final, final + ".old")
-    os.replace(tmp, final)
+    os.replace(final + ".tmp", final)
     shutil.rmtree(final + ".old", ignore_errors=True)
     # Keep the newest `keep` up to this one; never one taken later (a run resumed from further
     # back must not delete what it has not reached).
     here = saved_position("spmd", final)
-    done = sorted((where for kind, where in checkpoints_in(out_dir)
-                   if kind == "spmd" and saved_position(kind, where) <= here),
-                  key=lambda where: saved_position("spmd", where))
-    for old in done[:max(0, len(done) - keep)]:
+    done = sorted((saved_position(kind, where), where) for kind, where in checkpoints_in(out_dir)
+                  if kind == "spmd" and saved_position(kind, where) <= here)
+    for _, old in done[:max(0, len(done) - keep)]:
         shutil.rmtree(old)
     return final
+
+
+def position_name(ckpt):
+    """epoch-0002 after epoch 2; epoch-0002-step-000050 after 50 steps of epoch 3: names sort in
+    the order the checkpoints were taken."""
+    name = f"epoch-{ckpt['epoch'] - 1:04d}"
+    return name + (f"-step-{ckpt['step']:06d}" if ckpt.get("step") else "")
 
 
 @contextlib.contextmanager
@@ -962,24 +1176,6 @@ def _quiet_dcp_warnings():
         warnings.filterwarnings("ignore", message="The function definition for SavePlanner")
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
-
-
-def find_checkpoint(path):
-    """('xm.save', file) or ('spmd', directory) for whatever --resume points at.
-
-    A run directory converted from one format to the other holds both: the one further along
-    (its saved epoch, then the time it was written) is the one to continue.
-    """
-    if os.path.isfile(path):
-        return "xm.save", path
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return "spmd", path
-    found = checkpoints_in(path)
-    if not found:
-        raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
-                         "nor an SPMD directory with a .metadata file)")
-    return max(found, key=lambda kind_where: (saved_position(*kind_where),
-                                              os.path.getmtime(kind_where[1])))
 
 
 def checkpoints_in(folder):
@@ -997,52 +1193,68 @@ def checkpoints_in(folder):
     return found
 
 
-def saved_position(kind, where):
-    """(epoch, samples of it trained on) where a checkpoint continues, read cheaply; (-1, 0)
-    if it cannot be read. In samples, not steps: a resumed run may use another global batch."""
+def find_checkpoint(path):
+    """('xm.save', file) or ('spmd', directory) for whatever --resume points at; in a run
+    folder, the checkpoint furthest along (then the newest: a converted run holds both)."""
+    if os.path.isfile(path):
+        return "xm.save", path
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return "spmd", path
+    found = checkpoints_in(path)
+    if not found:
+        raise UsageError(f"--resume {path}: no checkpoint there (neither a checkpoint.pt file "
+                         "nor an SPMD directory with a .metadata file)")
+    return max(found, key=lambda kind_where: (saved_position(*kind_where),
+                                              os.path.getmtime(kind_where[1])))
+
+
+def plain_fields(kind, where):
+    """The checkpoint's dict without reading its tensors: mmap for a file, train_tpu.json for
+    an SPMD directory. Raises UsageError if it cannot be read."""
+    if kind == "xm.save":
+        return load_file_checkpoint(where, mmap=True)
     try:
-        if kind == "xm.save":
-            plain = load_file_checkpoint(where, mmap=True)
-        else:
-            with open(os.path.join(where, "train_tpu.json")) as f:
-                plain = json.load(f)
+        with open(os.path.join(where, "train_tpu.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        raise UsageError(f"--resume {where}: train_tpu.json is missing or damaged; the "
+                         "checkpoint is incomplete")
+
+
+def saved_position(kind, where):
+    """(epoch, samples of it trained on) where a checkpoint continues; (-1, 0) if unreadable.
+    In samples, not steps: a resumed run may use another global batch."""
+    try:
+        plain = plain_fields(kind, where)
         return plain["epoch"], plain.get("step", 0) * (plain.get("global_batch") or 1)
-    except (UsageError, OSError, ValueError, KeyError):
+    except (UsageError, KeyError):
         return -1, 0
 
 
 def inspect_checkpoint(path, args):
-    """Checks --resume in the parent, before any device starts: fail fast, with one line.
+    """Checks --resume in the parent, before any device starts, and takes its settings.
+    Returns the (epoch, step) it continues at.
 
-    Returns the (epoch, step) it continues at. A file is opened lazily (mmap), so a large one is not
-    read twice; an SPMD directory is checked against its own metadata: every shard file it
-    names must exist and be long enough, so an interrupted copy is caught here, not halfway
-    through loading.
+    An SPMD directory is checked against its own metadata: every shard file it names must exist
+    and be long enough, so an interrupted copy fails here, not halfway through loading.
     """
     kind, where = find_checkpoint(path)
-    if kind == "xm.save":
-        plain = load_file_checkpoint(where, mmap=True)
-    else:
-        metadata = read_spmd_metadata(where)
-        sizes = {}
-        for info in metadata.storage_data.values():
-            end = info.offset + info.length
-            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
-        for name, needed in sizes.items():
-            file = os.path.join(where, name)
-            if not os.path.isfile(file) or os.path.getsize(file) < needed:
-                raise UsageError(f"--resume {where}: shard file {name} is missing or truncated; "
-                                 "the checkpoint is incomplete")
-        try:
-            with open(os.path.join(where, "train_tpu.json")) as f:
-                plain = json.load(f)
-        except (OSError, ValueError):
-            raise UsageError(f"--resume {where}: train_tpu.json is missing or damaged; the "
-                             "checkpoint is incomplete")
-        shapes = {k[len("model."):]: tuple(v.size)
-                  for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    plain = plain_fields(kind, where)
     if kind == "xm.save":
         shapes = {k: tuple(v.shape) for k, v in plain["model"].items()}
+    else:
+        metadata = read_spmd_metadata(where)
+        needed = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                             info.offset + info.length)
+        for name, size in needed.items():
+            file = os.path.join(where, name)
+            if not os.path.isfile(file) or os.path.getsize(file) < size:
+                raise UsageError(f"--resume {where}: shard file {name} is missing or truncated; "
+                                 "the checkpoint is incomplete")
+        shapes = {k[len("model."):]: tuple(v.size)
+                  for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     apply_saved_settings(plain, args)
     check_model_fits(shapes, args, where)
     return plain["epoch"], plain.get("step", 0)
@@ -1081,6 +1293,7 @@ def read_spmd_metadata(directory):
 
 
 def load_file_checkpoint(path, mmap=False):
+    """The reader of the xm.save format."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
@@ -1112,45 +1325,25 @@ def read_checkpoint(kind, where):
         raise UsageError(f"--resume {where}: cannot read the SPMD checkpoint "
                          f"({type(e).__name__}); it may be incomplete or damaged")
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        os.remove(tmp)
     # DCP stores the optimizer's per-parameter state under string keys ("0", "1", ...);
     # optimizer.load_state_dict matches integer ids and would silently drop the momentum.
     ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
     return ckpt
 
 
-def load_checkpoint_into(model, optimizer, path, args, spmd):
-    """Loads --resume into the model and optimizer (already on the device).
-
-    Returns (checkpoint dict, converted): converted is True when the checkpoint's format is not
-    this mode's own (an xm.save file under --spmd, or an SPMD directory in multi-core mode).
-    """
-    kind, where = find_checkpoint(path)
-    if kind == "spmd" and spmd:
-        ckpt = load_spmd_in_place(model, optimizer, where, args)
-        print0(f"resume | spmd checkpoint {where}: loaded shard by shard")
-    else:
-        ckpt = read_checkpoint(kind, where)
-        model.load_state_dict(ckpt["model"])  # copies onto the device, keeping placement
-        optimizer.load_state_dict(ckpt["optimizer"])  # moves the momentum to the params' device
-        how = ("placed on the devices and replicated; later saves use the SPMD format"
-               if spmd else "loaded on every replica")
-        print0(f"resume | {kind} checkpoint {where}: {how}")
-    return ckpt, (kind == "spmd") != spmd
-
-
-def load_spmd_in_place(model, optimizer, directory, args):
+def load_spmd_in_place(run, directory):
+    """The reader of the SPMD format into a run's sharded model, each device reading its shard."""
     import torch.distributed.checkpoint as dcp
     import torch_xla.experimental.distributed_checkpoint as xc
 
-    # DCP loads into tensors that already exist. A fresh SGD has no momentum buffers yet, so
-    # make zero ones instead of taking a dummy optimizer step (a dummy step moves the weights).
-    for group in optimizer.param_groups:
+    # DCP loads into tensors that exist. A fresh SGD has no momentum buffers yet: make zero ones
+    # (a dummy optimizer step would move the weights).
+    for group in run.optimizer.param_groups:
         if group["momentum"] != 0:  # without momentum SGD keeps no state at all
             for p in group["params"]:
-                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    ckpt = checkpoint_dict(model, optimizer, (0, 0), args, 0.0, 0.0, "")
+                run.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    ckpt = checkpoint_dict(run.model, run.optimizer, (0, 0), run.args, 0.0, 0.0, "")
     saved_keys = read_spmd_metadata(directory).state_dict_metadata
     for key in ("step", "global_batch"):  # saved before mid-epoch checkpoints existed
         if key not in saved_keys:
@@ -1163,15 +1356,47 @@ def load_spmd_in_place(model, optimizer, directory, args):
         raise UsageError(f"--resume {directory}: cannot load the SPMD checkpoint "
                          f"({type(e).__name__}); it may be incomplete, damaged, or saved with "
                          "other optimizer settings")
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    run.model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
     return ckpt
 
 
-def resume_tolerance(*device_kinds):
-    # On the CPU both evaluations run in float32 and agree to rounding. TPU matmuls default
-    # to bfloat16 passes, so a figure measured on a TPU can differ from a reload more than that.
-    return 1e-5 if set(device_kinds) <= {"CPU"} else 2e-2
+def resume(run):
+    """Loads --resume, proves it still computes its saved test loss, converts it if needed.
+    Returns ((epoch, steps of it done) to continue at, the checkpoint's accuracy)."""
+    args, topo = run.args, run.topo
+    kind, where = find_checkpoint(args.resume)
+    if kind == "spmd" and topo.spmd:
+        ckpt = load_spmd_in_place(run, where)
+        print0(f"resume | spmd checkpoint {where}: loaded shard by shard")
+    else:
+        ckpt = read_checkpoint(kind, where)
+        run.model.load_state_dict(ckpt["model"])  # copies onto the device, keeping placement
+        run.optimizer.load_state_dict(ckpt["optimizer"])  # momentum to the params' device
+        print0(f"resume | {kind} checkpoint {where}: " + (
+            "placed on the devices and replicated; later saves use the SPMD format"
+            if topo.spmd else "loaded on every replica"))
+    # The samples of the epoch already trained on are the same on any device count (a prefix
+    # of the epoch's shuffle): continue after that many samples, in whole steps of this run.
+    samples = ckpt.get("step", 0) * (ckpt.get("global_batch") or run.global_batch)
+    if samples % run.global_batch:
+        raise UsageError(f"--resume {args.resume}: saved {samples} samples into epoch "
+                         f"{ckpt['epoch']}, which is not a whole number of steps of this run's "
+                         f"global batch {run.global_batch}; pick a --batch-size that divides it")
+    position = ckpt["epoch"], samples // run.global_batch
+    loss, accuracy, _ = evaluate(run.model, topo.loader(run.test), topo.reduce)
+    compare_with_saved(ckpt, loss, accuracy, args, run.device_kind, "resume check")
+    if is_master():
+        continue_run_folder(args.out_dir, ckpt)
+    if (kind == "spmd") != topo.spmd:  # converted: save it in this mode's format at once
+        print0(f"resume | converted checkpoint saved as {run.save(position)[0]}")
+    if position[0] > args.epochs:
+        print0(f"resume | nothing to train: the checkpoint finished epoch {position[0] - 1}, "
+               f"--epochs is {args.epochs}")
+    else:
+        at = f" after step {position[1]}" if position[1] else ""
+        print0(f"resume | continuing at epoch {position[0]} of {args.epochs}{at}")
+    return position, accuracy
 
 
 def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
@@ -1183,485 +1408,47 @@ def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
     if (config.get("data"), config.get("data_dir")) != (args.data, args.data_dir):
         print0(f"{label} | skipped: the checkpoint was evaluated on other data")
         return
-    tol = resume_tolerance(device_kind, ckpt.get("measured_on", device_kind))
+    # On the CPU both evaluations run in float32 and agree to rounding. TPU matmuls default
+    # to bfloat16 passes, so a figure measured on a TPU can differ from a reload more than that.
+    tol = 1e-5 if {device_kind, ckpt.get("measured_on", device_kind)} <= {"CPU"} else 2e-2
     diff = abs(loss - ckpt["test_loss"])
-    verdict = "equal" if diff <= tol else "DIFFERENT"
     print0(f"{label} | test loss saved {ckpt['test_loss']:.7f} vs now {loss:.7f} | "
            f"|diff| {diff:.1e} (tolerance {tol:.0e}) | accuracy saved {ckpt['accuracy']:.2f}% "
-           f"vs now {accuracy:.2f}% | {verdict}")
+           f"vs now {accuracy:.2f}% | {'equal' if diff <= tol else 'DIFFERENT'}")
     if diff > tol:
         raise TrainingFailed(f"{label}: the loaded checkpoint gives test loss {loss:.7f}, it "
                              f"was saved at {ckpt['test_loss']:.7f}", EXIT_RESUME_MISMATCH)
 
 
 def export_checkpoint(args):
-    """--resume X --export FILE: one ordinary torch.save file, proven to compute the same.
-
-    The file is checked under a temporary name and only then takes FILE's place.
-    """
+    """--resume X --export FILE: one ordinary torch.save file, checked on the CPU (its test loss
+    against the saved one) under a temporary name before it takes FILE's place."""
     kind, where = find_checkpoint(args.resume)
     ckpt = read_checkpoint(kind, where)
-    tmp = args.export + ".tmp"
-    torch.save(ckpt, tmp)
+    torch.save(ckpt, args.export + ".tmp")
     try:
-        loss, accuracy, _ = evaluate_on_cpu(load_file_checkpoint(tmp)["model"], args)
+        model = build_model(args)
+        model.load_state_dict(load_file_checkpoint(args.export + ".tmp")["model"])
+        loss, accuracy, _ = evaluate_on_cpu(model, args)
         compare_with_saved(ckpt, loss, accuracy, args, "CPU", "export check")
     except BaseException:
-        os.remove(tmp)
+        os.remove(args.export + ".tmp")
         raise
-    os.replace(tmp, args.export)
+    os.replace(args.export + ".tmp", args.export)
     print(f"export | {kind} checkpoint {where} -> {args.export} (torch.save; torch.load reads it)")
 
 
-# ---- logging and run artifacts (master only) -------------------------------------------------
-
-
-class RunLog:
-    """metrics.jsonl in --out-dir: one line per logged step and one per epoch, master only."""
-
-    def __init__(self, out_dir):
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-
-    def keep_before(self, epoch, step=0):
-        """A resumed run continues its history: lines past the checkpoint's position (steps it
-        is about to run again) are dropped, and so is a line torn by a kill."""
-        if not os.path.exists(self.path):
-            return
-
-        def before(r):
-            if r["kind"] == "log":
-                return (r["epoch"], r["step"]) <= (epoch, step)
-            return r["epoch"] < epoch
-
-        with open(self.path) as f:
-            kept = [line for line in f if _parse(line) and before(_parse(line))]
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
-
-    def write(self, **record):
-        if is_master():
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-class EpochMeter:
-    """Step closures of one epoch: read the losses, time the steps, log, draw the bar.
-
-    Losses are read in batches of --log-steps inside xm.add_step_closure, which runs after the
-    step's graph has been launched: the hot loop itself never waits for the device.
-    """
-
-    def __init__(self, epoch, steps, global_batch, topo, log, progress, quiet=False, start=0):
-        self.epoch, self.steps, self.global_batch = epoch, steps, global_batch
-        self.start = start  # steps of this epoch done before (a run resumed mid-epoch)
-        self.warm = start + WARMUP_STEPS  # the steps up to here compile: not timed
-        self.devices, self.unit = topo.devices, "device" if topo.spmd else "replica"
-        self.log, self.progress, self.quiet = log, progress, quiet
-        self.times = {}  # step -> when its loss reached the host
-        self.losses = []  # this replica's loss at every step, in order
-
-    def fetch(self, step, losses):
-        # Deliberate sync: .cpu() waits until the step has run. One per --log-steps steps.
-        values = [float(t.detach().cpu()) for t in losses]
-        now = time.perf_counter()
-        self.times[step] = now
-        self.losses += values
-        rate = None
-        if step > self.warm:
-            since = max(s for s in self.times if s < step)
-            rate = (step - since) * self.global_batch / (now - self.times[since])
-        if self.quiet:
-            return
-        self.log.write(kind="log", epoch=self.epoch, step=step, loss=values[-1], losses=values,
-                       samples_per_s=rate)
-        speed = "warm-up" if rate is None else (
-            f"{rate:,.0f} samples/s ({rate / self.devices:,.0f} per {self.unit})")
-        line = f"epoch {self.epoch} step {step}/{self.steps} | loss {values[-1]:.4f} | {speed}"
-        if self.progress:
-            self.progress.show(step, self.steps, line)
-        else:
-            print0(line)
-
-    def samples_per_s(self):
-        """Throughput of the epoch, its first WARMUP_STEPS steps (and their compiles) left out."""
-        if self.steps <= self.warm:
-            return None
-        elapsed = self.times[self.steps] - self.times[self.warm]
-        return (self.steps - self.warm) * self.global_batch / elapsed
-
-
-class ProgressBar:
-    """One redrawn line on the master, only when stdout is a terminal; plain lines otherwise."""
-
-    @staticmethod
-    def create():
-        return ProgressBar() if is_master() and sys.stdout.isatty() else None
-
-    def show(self, step, steps, text):
-        filled = int(20 * step / steps)
-        sys.stdout.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] {text}\033[K")
-        sys.stdout.flush()
-
-    def close(self):
-        sys.stdout.write("\n")
-
-
-def write_plot(out_dir):
-    """Training loss per step and test accuracy per epoch, as OUT/metrics.png (master only).
-
-    Figures drawn in spawned replicas never reach a screen, so the master writes a file. A
-    plot that fails is reported, not raised: the other replicas would wait for the master.
-    """
-    try:
-        _draw_plot(out_dir)
-    except Exception as e:
-        print(f"plot | not written: {type(e).__name__}: {e}")
-
-
-def _draw_plot(out_dir):
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a TPU VM
-    import matplotlib.pyplot as plt
-
-    history, epochs = read_history(out_dir)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(range(1, len(history) + 1), [h["loss"] for h in history])
-    ax1.set(title="training loss (master replica)", xlabel="step", ylabel="loss")
-    ax2.plot([e["epoch"] for e in epochs], [e["accuracy"] for e in epochs], marker="o")
-    ax2.set(title="test accuracy", xlabel="epoch", ylabel="%")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "metrics.png")
-    fig.savefig(path + ".tmp.png")
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
-
-
-def _parse(line):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
-
-
-def read_history(out_dir):
-    """(per-step records, per-epoch records) from OUT/metrics.jsonl."""
-    steps, epochs = [], []
-    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-        return steps, epochs
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for r in filter(None, map(_parse, f)):
-            if r["kind"] == "log":
-                first = r["step"] - len(r["losses"]) + 1
-                steps += [dict(epoch=r["epoch"], step=first + i, loss=v)
-                          for i, v in enumerate(r["losses"])]
-            else:
-                epochs.append(r)
-    return steps, epochs
-
-
-# ---- smoke checks: is this machine fit to train on? ------------------------------------------
-
-
-class Verdict:
-    """PASS/FAIL checks with their figures; printed as a table and written as JSON.
-
-    A check that cannot be true in the test suite's emulated world (README: "what runs where")
-    is added with passed=None: shown as EMUL, counted neither as passed nor as failed.
-    """
-
-    def __init__(self):
-        self.checks = []
-
-    def add(self, name, passed, figure):
-        self.checks.append({"name": name, "passed": None if passed is None else bool(passed),
-                            "figure": figure})
-
-    @property
-    def passed(self):
-        return all(c["passed"] is not False for c in self.checks)
-
-    def table(self):
-        mark = {True: "PASS", False: "FAIL", None: "EMUL"}
-        lines = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in self.checks]
-        failed = [c["name"] for c in self.checks if c["passed"] is False]
-        checked = [c for c in self.checks if c["passed"] is not None]
-        emulated = len(self.checks) - len(checked)
-        summary = "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")"
-        return "\n".join(["smoke verdict"] + lines + [
-            f"smoke verdict: {summary}, {len(checked) - len(failed)}/{len(checked)} checks passed"
-            + (f", {emulated} emulated (not checked)" if emulated else "")])
-
-    def to_json(self, args):
-        import torchvision
-
-        versions = {"python": sys.version.split()[0], "torch": torch.__version__,
-                    "torch_xla": torch_xla.__version__, "torchvision": torchvision.__version__}
-        config = {k: v for k, v in vars(args).items() if k != "explicit"}
-        return {"passed": self.passed, "checks": self.checks, "config": config,
-                "versions": versions}
-
-    def publish(self, args):
-        """The master prints the table and writes OUT/verdict.json (and --report)."""
-        if not is_master():
-            return
-        print(self.table(), flush=True)
-        report = json.dumps(self.to_json(args), indent=1)
-        for target in filter(None, (os.path.join(args.out_dir, "verdict.json"), args.report)):
-            with open(target + ".tmp", "w") as f:
-                f.write(report)
-            os.replace(target + ".tmp", target)
-
-
-class Watchdog:
-    """--smoke never hangs: each check, and the training it runs, has a deadline.
-
-    A hung collective or compile cannot be interrupted from Python. When a deadline passes,
-    this thread marks that check FAIL, prints the verdict with what did finish, and ends the
-    process with exit 5 (xmp.spawn's pool then ends the other replicas: end_this_replica).
-    The deadlines are generous for a TPU's first compiles; --deadline-scale multiplies them.
-    """
-
-    def __init__(self, verdict, args):
-        self.verdict, self.args, self.current = verdict, args, None
-        if verdict is not None:
-            threading.Thread(target=self._watch, daemon=True).start()
-
-    def deadline(self, name, seconds):
-        if self.verdict is None:
-            return contextlib.nullcontext()
-        return self._armed(name, seconds * self.args.deadline_scale)
-
-    @contextlib.contextmanager
-    def _armed(self, name, seconds):
-        self.current = (name, seconds, time.monotonic() + seconds)
-        try:
-            yield
-        finally:
-            self.current = None
-
-    def _watch(self):
-        while True:
-            time.sleep(0.2)
-            current = self.current
-            if current and time.monotonic() > current[2]:
-                name, seconds, _ = current
-                self.verdict.add(name, False, f"did not finish within {seconds:.0f} s (a hang? "
-                                 "more time: --deadline-scale)")
-                try:
-                    self.verdict.publish(self.args)
-                finally:  # whatever publishing does, the process must not go on hanging
-                    end_this_replica(EXIT_SMOKE_FAILED,
-                                     f"failed: smoke verdict FAIL: {name} did not finish")
-
-
-def check_devices(verdict, topo, args, device_kind):
-    found = xr.global_runtime_device_count()  # in the whole slice, every host's devices
-    # --cores counts this host's devices: 1, or all of them (then the run uses the slice).
-    wanted = 1 if args.cores == 1 else found
-    figure = (f"runtime {device_kind}, device kind {xm.xla_device_hw(topo.device)}, {found} "
-              f"found, {wanted} wanted (--cores {args.cores or 'all'}), {topo.devices} in use")
-    if topo.emulated:
-        verdict.add("devices", None, figure + "; a world of more replicas than devices is the "
-                    "emulation, not a machine")
-    else:
-        verdict.add("devices", topo.devices == wanted, figure)
-
-
-def check_collectives(verdict, topo):
-    """Multi-core: all-reduce each replica's ordinal. SPMD: a reduction over a sharded tensor."""
-    n = topo.devices
-    expected = n * (n - 1) / 2
-    if topo.spmd:
-        import torch_xla.distributed.spmd as xs
-
-        values = torch.arange(n, dtype=torch.float32).to(topo.device)
-        xs.mark_sharding(values, topo.mesh, ("data",))  # one value on each device
-        got = float(values.sum().cpu())  # XLA sums each shard, then all-reduces the partials
-        verdict.add("collectives", got == expected,
-                    f"sharded sum over {n} devices = {got:g} (expected {expected:g})")
-        return
-    ordinal = torch.tensor([float(xr.global_ordinal())], device=topo.device)
-    total = xm.all_reduce(xm.REDUCE_SUM, ordinal)
-    agree = xm.all_reduce(xm.REDUCE_SUM, (total == expected).float())  # replicas that saw it
-    got, agreeing = float(total.cpu()), int(agree.cpu())
-    figure = (f"all-reduce of ordinals = {got:g} on {agreeing}/{n} replicas "
-              f"(expected n(n-1)/2 = {expected:g})")
-    if topo.emulated:  # one device plays every replica: its ordinal is 0 in each of them
-        verdict.add("collectives", None, figure + "; the all-reduce ran, on 1 emulated device")
-    else:
-        verdict.add("collectives", got == expected and agreeing == n, figure)
-
-
-def numerics_tolerance(device_kind, precision, bf16=False):
-    # float32 on the CPU agrees with eager PyTorch to rounding. A TPU's "default" precision
-    # multiplies in one bfloat16 pass (8-bit mantissa, relative error ~4e-3 per product, more
-    # after summing 1,440 of them); "high" is 3 passes (~14 bits), "highest" 6 (~22 bits).
-    # A wrong weight or layout (the third seed's symptom) moves logits by O(1), far above these.
-    # --bf16 on both sides: each result is rounded to 8 mantissa bits (relative 3.9e-3), and the
-    # two sides round in different places (seen here: 3.6e-3 in the logits), so a few of those.
-    if bf16:
-        return 5e-2
-    if device_kind == "CPU":
-        return 1e-5
-    return {"default": 5e-2, "high": 1e-3, "highest": 1e-5}[precision]
-
-
-def check_numerics(verdict, model, images, labels, topo, device_kind, args):
-    """The same first step on the device and in eager PyTorch on the host CPU.
-
-    Both start from the model's weights and see the same batch; each takes one plain SGD step
-    (a copy on the device, so training itself is untouched). Compared: the logits, the loss,
-    and the weight update (the update, not the weights, so a wrong gradient cannot hide behind
-    the much larger weights).
-    """
-    def one_step(net, x, y):
-        before = [p.detach().clone() for p in net.parameters()]
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            logits = net(x)
-            loss = F.cross_entropy(logits, y)
-        loss.backward()
-        torch.optim.SGD(net.parameters(), lr=args.lr).step()
-        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(net.parameters(), before)])
-        return logits.detach(), loss.detach(), update
-
-    state = {k: v.cpu() for k, v in model.state_dict().items()}
-    probe = build_model(args).to(topo.device)
-    probe.load_state_dict(state)
-    reference = build_model(args)
-    reference.load_state_dict(state)
-    on_device = one_step(probe, images.to(topo.device), labels.to(topo.device))
-    on_device = [t.cpu() for t in on_device]  # deliberate sync: a one-off check before training
-    on_host = one_step(reference, images, labels)
-    diffs = [float((a.float() - b.float()).abs().max() / b.float().abs().max())
-             for a, b in zip(on_device, on_host)]
-    tol = numerics_tolerance(device_kind, args.matmul_precision, args.bf16)
-    verdict.add("numerics", max(diffs) <= tol,
-                f"first step, device vs eager CPU: rel diff logits {diffs[0]:.1e}, loss "
-                f"{diffs[1]:.1e}, weight update {diffs[2]:.1e} (tolerance {tol:.0e}, " + (
-                    "bfloat16 autocast on both sides)" if args.bf16 else
-                    f"matmul precision {args.matmul_precision}; raise it with "
-                    "--matmul-precision highest)"))
-
-
-def check_checkpoint(verdict, model, optimizer, path):
-    """What was saved, read back from disk, equals what is in memory, tensor for tensor."""
-    ckpt = read_checkpoint(*find_checkpoint(path))
-    live = {f"model.{k}": v.cpu() for k, v in model.state_dict().items()}
-    for i, state in optimizer.state_dict()["state"].items():
-        live[f"momentum.{i}"] = state["momentum_buffer"].cpu()
-    saved = {f"model.{k}": v for k, v in ckpt["model"].items()}
-    for i, state in ckpt["optimizer"]["state"].items():
-        saved[f"momentum.{i}"] = state["momentum_buffer"]
-    same = [k for k in live if k in saved and torch.equal(live[k], saved[k])]
-    verdict.add("checkpoint", len(same) == len(live) == len(saved),
-                f"saved, reloaded from {path}: {len(same)}/{len(live)} tensors identical")
-
-
-def finish_verdict(verdict, watch, model, optimizer, args, topo, counter, losses, rate,
-                   accuracy, path):
-    """The checks that need the finished run; then the table, the JSON, and the exit code."""
-    total, seconds = CompileCounter.read()
-    recompiles = total - counter.at_warmup_end if counter.at_warmup_end is not None else 0
-    allowed = args.max_recompiles or 0
-    fallbacks = cpu_fallback_ops()
-    verdict.add("compilation", recompiles <= allowed and not fallbacks,
-                f"{total} compilations ({seconds:.1f} s), {recompiles} after warm-up "
-                f"(allowed {allowed}), CPU fallback ops: {format_fallbacks(fallbacks)}")
-    verdict.add("throughput", bool(rate),
-                f"{rate or 0:,.0f} samples/s global, {(rate or 0) / topo.devices:,.0f} per "
-                f"device (last epoch, its first {WARMUP_STEPS} steps left out)")
-    k = max(1, len(losses) // 4)
-    before, after = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (0.0, 0.0)
-    verdict.add("learning", after < before and (accuracy or 0.0) >= args.target_accuracy,
-                f"loss {before:.3f} -> {after:.3f} (mean of first and last {k} steps), "
-                f"test accuracy {accuracy or 0.0:.2f}% (target {args.target_accuracy:g}%)")
-    if not is_master():
-        return  # the master's verdict is the one printed, written and acted on
-    with watch.deadline("checkpoint", 120):  # reads what the master wrote; no collectives
-        check_checkpoint(verdict, model, optimizer, path)
-    verdict.publish(args)
-    if not verdict.passed:
-        failed = ", ".join(c["name"] for c in verdict.checks if c["passed"] is False)
-        raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
-
-
-# ---- the per-replica training function -------------------------------------------------------
-
-
-class Profile:
-    """--profile DIR: an XLA profiler trace of PROFILE_STEPS steps after the warm-up, taken by
-    the master (torch_xla.debug.profiler; TensorBoard's profile plugin opens it)."""
-
-    def __init__(self, directory, first_step):
-        self.directory, self.first, self.last = directory, first_step, first_step + PROFILE_STEPS
-
-    def at(self, step):
-        import torch_xla.debug.profiler as xp
-
-        if step == self.first and is_master():
-            xp.start_trace(self.directory)
-            self.started = True
-        elif step == self.last:
-            self.close()
-
-    def close(self):
-        """Stops the trace: after its last step, or when the epoch ends (or fails) before."""
-        import torch_xla.debug.profiler as xp
-
-        if not getattr(self, "started", False):
-            return
-        self.started = False
-        xm.wait_device_ops()  # the traced steps' device work belongs in the trace
-        xp.stop_trace()
-        print0(f"profile | steps {self.first}-{self.last - 1} traced into {self.directory}: "
-               f"tensorboard --logdir {self.directory} (profile tab), or open the "
-               "*.trace.json.gz in https://ui.perfetto.dev")
-
-
-def train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary=None,
-                profile=None):
-    """TRAINING: nothing in this loop waits for the device; the step closures read the loss.
-
-    At each boundary (every --log-steps and --save-steps step) at_boundary(step) may save a
-    checkpoint or stop the run; every replica reaches the same boundaries.
-    """
-    pending, step = [], meter.start
-    device_batches = iter(topo.loader(loader))
-    try:
-        for step, batch in enumerate(device_batches, meter.start + 1):
-            keep = layerdrop_keep(args, epoch, step, topo.device)
-            if profile:
-                profile.at(step)
-            pending.append(train_step(model, optimizer, batch["image"], batch["label"], keep,
-                                      topo.spmd, args.bf16))
-            if (step % args.log_steps == 0 or step in (meter.warm, meter.steps)
-                    or (args.save_steps and step % args.save_steps == 0)):
-                xm.add_step_closure(meter.fetch, args=(step, pending))
-                pending = []
-                if at_boundary and step < meter.steps:  # the epoch's end has its own save
-                    at_boundary(step)
-    finally:
-        if profile:
-            profile.close()
-        # Left early (a stop, an error), the loader's feeder thread would stay blocked on a
-        # full queue with the DataLoader's workers alive: close it (torch_xla's ParallelLoader,
-        # behind MpDeviceLoader's iterator: torch_xla/distributed/parallel_loader.py).
-        device_batches._loader.close()
-    if meter.progress:
-        meter.progress.close()
-    if step != meter.steps:
-        # MpDeviceLoader's feeder thread ends the epoch quietly when the DataLoader fails.
-        raise TrainingFailed(f"the input pipeline stopped after step {step} of {meter.steps} in "
-                             f"epoch {epoch} (an error in the dataset or a DataLoader worker)", 1)
+def evaluate_on_cpu(model, args):
+    """The same evaluation in eager PyTorch on the host: the reference for export checks."""
+    shard = eval_shard(*load_split(args, train=False), 500, 1, 0)
+    return evaluate(model, batches(shard, SequentialSampler(shard), 500, False))
 
 
 # ---- stopping early: SIGTERM, Ctrl-C, a failing replica ---------------------------------------
 #
 # xmp.spawn runs each replica in a thread of a child process, and Python runs signal handlers
 # only in a process's main thread. So every process of the run (this one, and each replica
-# process, at import: see the end of the file) takes SIGTERM and Ctrl-C in its main thread
+# process when it imports this file: see its end) takes SIGTERM and Ctrl-C in its main thread
 # and creates the stop file; the replicas look for it at each boundary and agree to stop.
 # A failing replica writes its exit code and line to the failure file for the parent.
 
@@ -1725,185 +1512,18 @@ def stop_requested():
 
 
 def stopped(signum, position, args):
-    name = signal.Signals(signum).name
-    return TrainingFailed(f"stopped by {name} at epoch {position[0]} step {position[1]}, "
-                          f"checkpoint saved; continue with --resume {args.out_dir}",
-                          128 + signum)
-
-
-def run_training(args, device_kind, mesh=None):
-    """Everything one replica does; the SPMD path runs it once, over the whole mesh."""
-    verdict = Verdict() if args.smoke else None
-    watch = Watchdog(verdict, args)  # with --smoke: every stage below has a deadline
-    with watch.deadline("devices", 120):  # the runtime starts here
-        if mesh is None:
-            topo = Topology(torch_xla.device(), xr.world_size(), xr.global_ordinal(),
-                            xr.world_size())
-        else:
-            topo = Topology(torch_xla.device(), 1, 0, xr.global_runtime_device_count(), mesh)
-    # Each replica loads its own shard; under SPMD the one process loads the global batch.
-    load_batch = args.batch_size * (topo.devices if topo.spmd else 1)
-    global_batch = args.batch_size * topo.devices
-    if args.matmul_precision != "default":
-        from torch_xla import backends
-
-        backends.set_mat_mul_precision(args.matmul_precision)
-
-    torch.manual_seed(args.seed)
-    model = build_model(args).to(topo.device)
-    if not topo.spmd and topo.world > 1:
-        # Seeding is not enough on TPU v2/v3: two devices per chip run as threads of one
-        # process (the PJRT page linked in run()), sharing the global RNG. Copy the master's
-        # initial weights to every replica.
-        xm.broadcast_master_param(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-
-    images, labels = load_split(args, train=True)
-    loader, sampler = train_loader(images, labels, load_batch, topo.world, topo.rank, args.seed,
-                                   args.num_workers, args.steps_per_epoch)
-    shard = eval_shard(*load_split(args, train=False), load_batch, topo.world, topo.rank)
-    test = batches(shard, SequentialSampler(shard), load_batch, False)
-    if len(loader) == 0:
-        raise UsageError(f"--batch-size {args.batch_size}: a global batch of {global_batch} is "
-                         f"larger than the {len(images)} training samples")
-    print0(f"{device_kind} | {'spmd mesh' if topo.spmd else 'world'} {topo.devices} "
-           f"{'devices' if topo.spmd else 'replicas'} | global batch {global_batch:,} "
-           f"({args.batch_size} per core) | {len(loader)} steps per epoch | lr {args.lr} "
-           f"(as given, not scaled) | model {type(model).__name__}, layerdrop {args.layerdrop}"
-           f" | out {args.out_dir}")
-
-    if verdict:
-        with watch.deadline("devices", 120):
-            check_devices(verdict, topo, args, device_kind)
-        with watch.deadline("collectives", 300):  # compiles, then meets every replica
-            check_collectives(verdict, topo)
-        with watch.deadline("numerics", 300):
-            check_numerics(verdict, model, images[:load_batch], labels[:load_batch], topo,
-                           device_kind, args)
-    start, accuracy = (1, 0), None  # (epoch, steps of it done)
-    if args.resume:
-        start, accuracy = resume(model, optimizer, test, topo, args, device_kind)
-
-    def save(position):
-        test_loss, accuracy, counted = evaluate(model, topo.loader(test), topo.reduce)
-        path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, test_loss,
-                                               accuracy, device_kind, global_batch),
-                               args.out_dir, topo.spmd, args.keep_checkpoints)
-        return path, test_loss, accuracy, counted
-
-    def at_boundary(step):
-        signum = topo.agree_max(stop_requested())[0]  # every replica stops here, or none
-        if signum or (args.save_steps and step % args.save_steps == 0):
-            torch_xla.sync()  # the step and its log line first: metrics.jsonl never lags
-            save((epoch, step))
-        if signum:
-            topo.agree_max(0)  # a barrier: no replica exits while the master is still writing
-            raise stopped(signum, (epoch, step), args)
-
-    log, counter = RunLog(args.out_dir), CompileCounter()
-    losses, rate, path, compiles = [], None, None, None
-    steps = len(loader)
-    for epoch in range(start[0], args.epochs + 1):
-        first, skip = epoch == start[0], start[1] if epoch == start[0] else 0
-        counter.start_epoch()
-        # A new shuffle each epoch, the same on every replica; resumed mid-epoch, its rest.
-        sampler.set_epoch(epoch, start=skip * load_batch)
-        meter = EpochMeter(epoch, steps, global_batch, topo, log, ProgressBar.create(),
-                           start=skip)
-        started = time.perf_counter()
-        with watch.deadline("training", 300 + 2 * steps):  # compiles, steps, eval, save
-            profile = Profile(args.profile, meter.warm + 1) if args.profile and first else None
-            train_epoch(model, optimizer, loader, args, epoch, topo, meter, at_boundary, profile)
-            losses += meter.losses
-            path, test_loss, accuracy, counted = save((epoch + 1, 0))
-        # The replicas stop together or not at all. Agreed before end_epoch, so that the
-        # agreement's own graph compiles within the warm-up.
-        recompiles, signum = topo.agree_max(counter.recompiles_so_far(), stop_requested())
-        compiles = counter.end_epoch(first)
-        rate = meter.samples_per_s()
-        log.write(kind="epoch", epoch=epoch, test_loss=test_loss, accuracy=accuracy,
-                  samples_per_s=rate, seconds=time.perf_counter() - started, **compiles)
-        speed = f"{rate:,.0f} samples/s" if rate else "too few steps to time"
-        print0(f"epoch {epoch} done | test loss {test_loss:.4f} | accuracy {accuracy:.2f}% "
-               f"({counted:,} samples) | {speed} | checkpoint {path}")
-        print0(f"epoch {epoch} {format_compiles(compiles, first)}")
-        if args.metrics_debug:
-            print0(met.metrics_report())
-        if is_master():
-            write_plot(args.out_dir)
-        if signum and epoch < args.epochs:  # after the last epoch there is nothing to stop
-            raise stopped(signum, (epoch + 1, 0), args)
-        if args.max_recompiles is not None and not args.smoke and recompiles > args.max_recompiles:
-            raise TrainingFailed(
-                f"recompiled {recompiles} graphs after warm-up, more "
-                f"than --max-recompiles {args.max_recompiles}: the graph changes from step to "
-                "step (see --metrics-debug)", EXIT_RECOMPILES)
-
-    shown = "n/a" if accuracy is None else f"{accuracy:.2f}%"
-    print0(f"done | {args.epochs} epochs | test accuracy {shown} | out {args.out_dir}")
-    if compiles:
-        print0(f"done {format_compiles(compiles, first_epoch=False, epoch='last epoch')}")
-    if verdict:
-        finish_verdict(verdict, watch, model, optimizer, args, topo, counter, losses, rate,
-                       accuracy, path)
-    elif (accuracy or 0.0) < args.target_accuracy:
-        raise TrainingFailed(f"test accuracy {shown} is below --target-accuracy "
-                             f"{args.target_accuracy}", EXIT_BELOW_TARGET)
-
-
-def resume(model, optimizer, test, topo, args, device_kind):
-    """Loads --resume, proves it still computes its saved test loss, converts it if needed.
-
-    Returns ((epoch, step) to continue at, the checkpoint's accuracy).
-    """
-    ckpt, converted = load_checkpoint_into(model, optimizer, args.resume, args, topo.spmd)
-    # The samples of the epoch already trained on are the same on any device count: a prefix
-    # of the epoch's shuffle. Resume after that many samples, in whole steps of this run.
-    global_batch = args.batch_size * topo.devices
-    samples = ckpt.get("step", 0) * (ckpt.get("global_batch") or global_batch)
-    if samples % global_batch:
-        raise UsageError(f"--resume {args.resume}: saved {samples} samples into epoch "
-                         f"{ckpt['epoch']}, which is not a whole number of steps of this run's "
-                         f"global batch {global_batch}; pick a --batch-size that divides it")
-    position = ckpt["epoch"], samples // global_batch
-    loss, accuracy, _ = evaluate(model, topo.loader(test), topo.reduce)
-    compare_with_saved(ckpt, loss, accuracy, args, device_kind, "resume check")
-    if is_master():
-        continue_run_folder(args.out_dir, ckpt)
-    if converted:
-        # Write the conversion now, in this mode's format, before any training changes it.
-        path = save_checkpoint(checkpoint_dict(model, optimizer, position, args, loss,
-                                               accuracy, device_kind, global_batch),
-                               args.out_dir, topo.spmd, args.keep_checkpoints)
-        print0(f"resume | converted checkpoint saved as {path}")
-    if position[0] > args.epochs:
-        print0(f"resume | nothing to train: the checkpoint finished epoch {position[0] - 1}, "
-               f"--epochs is {args.epochs}")
-    else:
-        at = f" after step {position[1]}" if position[1] else ""
-        print0(f"resume | continuing at epoch {position[0]} of {args.epochs}{at}")
-    return position, accuracy
-
-
-def _mp_fn(index, args, device_kind):
-    """xmp.spawn's entry: called once per replica with its index."""
-    try:
-        run_training(args, device_kind)
-    except BaseException as e:
-        if xr.world_size() == 1:
-            raise  # the only replica, in this process: main() or fit() reports it
-        code, line = describe(e)
-        end_this_replica(code, f"replica {xr.global_ordinal()}: {line}")
+    return TrainingFailed(f"stopped by {signal.Signals(signum).name} at epoch {position[0]} "
+                          f"step {position[1]}, checkpoint saved; continue with --resume "
+                          f"{args.out_dir}", 128 + signum)
 
 
 def end_this_replica(code, line):
     """Ends the whole run when one replica fails, instead of a hang.
 
     A replica that stops alone leaves the others blocked in their next all-reduce, and
-    xmp.spawn waits for them for ever. So the failing replica records its exit code and line
-    in the parent's failure file and ends its process at once; xmp.spawn's process pool then
-    terminates the other replicas and raises in the parent (concurrent.futures'
-    ProcessPoolExecutor on a worker that dies; torch_xla/_internal/pjrt.py run_multiprocess).
+    xmp.spawn would wait for ever. So it records its code and line in the failure file and ends
+    its process at once; xmp.spawn's process pool then terminates the other replicas and raises
+    in the parent (ProcessPoolExecutor; torch_xla/_internal/pjrt.py run_multiprocess).
     """
     if os.environ.get(FAILURE_FILE):
         with open(os.environ[FAILURE_FILE], "a") as f:
@@ -1915,103 +1535,18 @@ def end_this_replica(code, line):
     os._exit(code)
 
 
-def spawn_replicas(args, device_kind, cores):
-    """xmp.spawn, and the failing replica's code and line if one ended the run."""
-    try:
-        # nprocs=1 runs in this process; None starts one process per TPU chip, each driving
-        # its chip's cores. https://docs.pytorch.org/xla/release/r2.7/learn/pjrt.html
-        xmp.spawn(_mp_fn, args=(args, device_kind), nprocs=1 if cores == 1 else None)
-    except Exception:
-        first = ""
-        if os.path.exists(os.environ[FAILURE_FILE]):
-            with open(os.environ[FAILURE_FILE]) as f:
-                first = f.readline()
-        if not first:
-            raise
-        code, line = json.loads(first)
-        raise TrainingFailed(line, code) from None
-
-
-# ---- the SPMD path ---------------------------------------------------------------------------
-
-
-def run_spmd(args, device_kind):
-    """One process, every device: the same training function, over a 1-D "data" mesh."""
-    import torch_xla.distributed.spmd as xs
-
-    # Before the runtime starts: from here on every tensor is one global, shardable tensor.
-    xr.use_spmd()
-    n = xr.global_runtime_device_count()
-    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
-    run_training(args, device_kind, mesh)
-
-
-# ---- benchmark: the article's recompilation, measured ----------------------------------------
-
-
-def benchmark_layerdrop(args, device_kind):
-    """--benchmark layerdrop: the same steps, seeds and data with dynamic, then static drops.
-
-    Runs on one device in this process. Prints compilations, seconds spent compiling, and
-    samples/s over steps 3..N (the first two steps compile in both modes, so they are left out;
-    dynamic keeps compiling after them, which is the cost being measured).
-    """
-    steps = args.steps_per_epoch or 40
-    args.log_steps = steps  # read the loss only at the warm-up boundary and at the end
-    topo = Topology(torch_xla.device(), 1, 0, 1)
-    images, labels = load_split(args, train=True)
-    print(f"benchmark layerdrop | {device_kind} | {steps} steps x batch {args.batch_size} | "
-          f"P {args.layerdrop_prob} | seed {args.seed}")
-    rows = {}
-    for mode in ("dynamic", "static"):
-        args.layerdrop = mode
-        torch.manual_seed(args.seed)
-        model = build_model(args).to(topo.device)  # args.layerdrop is `mode`
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-        loader, sampler = train_loader(images, labels, args.batch_size, 1, 0, args.seed, 0, steps)
-        sampler.set_epoch(1)
-        meter = EpochMeter(1, len(loader), args.batch_size, topo, None, None, quiet=True)
-        before, before_s = CompileCounter.read()
-        train_epoch(model, optimizer, loader, args, 1, topo, meter)
-        after, after_s = CompileCounter.read()
-        rows[mode] = (after - before, after_s - before_s, meter.samples_per_s())
-        print(f"{mode:8} | {after - before:3d} compilations | {after_s - before_s:6.1f} s "
-              f"compiling | {rows[mode][2]:8,.0f} samples/s (steps 3-{steps}) | loss "
-              f"{meter.losses[-1]:.4f}")
-    (dyn_compiles, dyn_seconds, dyn_rate) = rows["dynamic"]
-    (static_compiles, static_seconds, static_rate) = rows["static"]
-    print(f"ratio    | static runs {static_rate / dyn_rate:.1f}x the samples/s of dynamic, with "
-          f"{dyn_compiles} vs {static_compiles} compilations ({dyn_seconds:.1f} s vs "
-          f"{static_seconds:.1f} s compiling)")
-    return rows
-
-
-# ---- entry point -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Result:
-    """What the parent gets back: the trained model and what the master recorded."""
-    model: nn.Module  # on the host, with the final checkpoint's weights
-    history: list  # one dict per training step: epoch, step, loss (master replica)
-    epochs: list  # one dict per epoch: test loss, accuracy, samples/s, compile figures
-    out_dir: str
-    verdict: dict = None  # with --smoke: the same verdict as the printed table
+# ---- the run folder: metrics.jsonl, log lines, progress bar, plot, results for the parent ---
 
 
 def prepare_out_dir(args, writer=True):
     """Resolves --out-dir; a fresh run never mixes its history with an earlier run's.
 
-    Only host 0 (`writer`) touches the folder. On a pod slice with a shared --out-dir the
-    hosts would race to delete, create and rewrite it; the global master, on host 0, is the
-    only replica that writes there later.
+    Every host checks (one failing alone would leave the others waiting for it); only host 0
+    (`writer`) deletes or creates anything, as its master is the only replica writing there.
     """
     source_run = run_folder_of(*find_checkpoint(args.resume)) if args.resume else None
-    if args.out_dir is None and args.resume:
-        args.out_dir = source_run
-    elif args.out_dir is None:
-        args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    # Every host checks (one that failed alone would leave the others waiting for it) ...
+    if args.out_dir is None:
+        args.out_dir = source_run or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise UsageError(f"--out-dir {args.out_dir}: a file is there, not a folder")
     earlier = [n for n in ("metrics.jsonl", "checkpoint.pt", "checkpoint-spmd")
@@ -2023,7 +1558,7 @@ def prepare_out_dir(args, writer=True):
         raise UsageError(f"--out-dir {args.out_dir} already holds a run ({', '.join(earlier)})"
                          "; continue it with --resume, pick another --out-dir, or pass "
                          "--overwrite to delete it and start clean")
-    if not writer:  # ... and only host 0 changes anything
+    if not writer:
         return
     if foreign:
         for name in earlier + ["metrics.png", "verdict.json"] + [
@@ -2038,13 +1573,18 @@ def prepare_out_dir(args, writer=True):
         raise UsageError(f"--out-dir {args.out_dir}: cannot create it ({e.strerror})")
 
 
-def continue_run_folder(out_dir, ckpt):
-    """Once a resume has proven itself: the run folder continues from checkpoint `ckpt`.
+def run_folder_of(kind, where):
+    """The run folder a checkpoint belongs to: OUT/checkpoint.pt, OUT/checkpoint-spmd/epoch-*."""
+    folder = os.path.dirname(os.path.abspath(where))
+    if kind == "spmd" and os.path.basename(folder) == "checkpoint-spmd":
+        folder = os.path.dirname(folder)
+    return folder
 
-    Resuming from further back abandons what came after: those checkpoints move to
-    OUT/superseded/, so that --resume OUT (and fit's result) continue this run, not that one;
-    and metrics.jsonl drops the lines past that point (steps about to run again).
-    """
+
+def continue_run_folder(out_dir, ckpt):
+    """Once a resume has proven itself, the run folder continues from `ckpt`: checkpoints taken
+    after it move to OUT/superseded/ (so --resume OUT continues this run), and metrics.jsonl
+    drops the lines past it (steps about to run again)."""
     RunLog(out_dir).keep_before(ckpt["epoch"], ckpt.get("step", 0))  # in its steps
     resumed_at = ckpt["epoch"], ckpt.get("step", 0) * (ckpt.get("global_batch") or 1)
     later = [where for kind, where in checkpoints_in(out_dir)
@@ -2056,52 +1596,164 @@ def continue_run_folder(out_dir, ckpt):
         print(f"resume | {len(later)} checkpoint(s) taken after this one moved to {aside}")
 
 
-def run_folder_of(kind, where):
-    """The run folder a checkpoint belongs to: OUT/checkpoint.pt, OUT/checkpoint-spmd/epoch-*."""
-    folder = os.path.dirname(os.path.abspath(where))
-    if kind == "spmd" and os.path.basename(folder) == "checkpoint-spmd":
-        folder = os.path.dirname(folder)
-    return folder
+class RunLog:
+    """OUT/metrics.jsonl: one line per logged step and one per epoch, written by the master."""
+
+    def __init__(self, out_dir):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+
+    def keep_before(self, epoch, step=0):
+        """Drops the lines past (epoch, step), and a line torn by a kill."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if (r := _parse(line)) and (
+                (r["epoch"], r["step"]) <= (epoch, step) if r["kind"] == "log"
+                else r["epoch"] < epoch)]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
+    def write(self, **record):
+        if is_master():
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
-def refuse_a_running_runtime(args, cores):
-    """A second run in one Python process (a notebook cell run again) reuses its runtime.
+def _parse(line):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
-    The runtime's device count and SPMD mode are fixed when it starts; asking for others
-    afterwards crashes the process (a segfault, seen here), so say so before touching a device.
+
+def read_history(out_dir):
+    """(per-step records, per-epoch records) from OUT/metrics.jsonl."""
+    steps, epochs = [], []
+    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        return steps, epochs
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for r in filter(None, map(_parse, f)):
+            if r["kind"] == "log":
+                first = r["step"] - len(r["losses"]) + 1
+                steps += [dict(epoch=r["epoch"], step=first + i, loss=v)
+                          for i, v in enumerate(r["losses"])]
+            else:
+                epochs.append(r)
+    return steps, epochs
+
+
+class EpochMeter:
+    """One epoch's losses, timing and log lines, without making the training loop wait.
+
+    At each boundary a step closure, run once that step's graph is launched, notes the time and
+    reads the previous window's losses: the device finished those long ago, so the read does not
+    wait (a closure that read the new loss would stall the loop until the device caught up). Each
+    log line thus appears one window late; the epoch's end reads the rest (log_the_rest).
     """
-    if not torch_xla._XLAC._xla_runtime_is_initialized():
-        return
-    if args.spmd or cores > 1 or xr.is_spmd():
-        raise UsageError("the XLA runtime is already running in this process (an earlier run "
-                         "or tensor on an XLA device) and cannot switch to SPMD or to another "
-                         "core count; run this in a fresh process (restart the notebook kernel)")
 
+    def __init__(self, epoch, steps, global_batch, topo, log, progress, quiet=False, start=0):
+        self.epoch, self.steps, self.global_batch = epoch, steps, global_batch
+        self.start = start  # steps of this epoch done before (a run resumed mid-epoch)
+        self.warm = start + WARMUP_STEPS  # the steps up to here compile: not timed
+        self.devices, self.unit = topo.devices, "device" if topo.spmd else "replica"
+        self.log, self.progress, self.quiet = log, progress, quiet
+        self.pending, self.unread = [], []  # losses on the device: this window, earlier ones
+        self.times = {}  # boundary step -> when its graph was launched
+        self.losses = []  # this replica's loss at every step, in order
 
-def run(args):
-    """Does what the parsed flags ask. Raises UsageError or TrainingFailed."""
-    check_versions(*installed_versions())
-    device_kind, available = select_runtime()
-    host, hosts = pod_hosts(device_kind)
-    if args.resume:
-        inspect_checkpoint(args.resume, args)  # fails fast, and takes the saved settings
-    training = not (args.export or args.benchmark)
-    cores = check_cores(args, device_kind, available, hosts) if training else 1
-    if training:
-        refuse_a_running_runtime(args, cores)
-    prepare_data(args)
-    if args.export:
-        export_checkpoint(args)
-        return
-    if args.benchmark == "layerdrop":
-        benchmark_layerdrop(args, device_kind)
-        return
-    prepare_out_dir(args, writer=host == 0)
-    with run_files():
-        if args.spmd:
-            run_spmd(args, device_kind)
+    def log_previous_window(self, step):
+        self.times[step] = time.perf_counter()
+        ready, self.unread = self.unread, [(step, self.pending)]
+        self.pending = []
+        for done, losses in ready:
+            self.show(done, to_host(*losses, wait=False))
+
+    def log_the_rest(self):
+        """Reads every loss not read yet: a deliberate wait, at the epoch's end or a save."""
+        windows, self.unread = self.unread, []
+        if not windows:
+            return
+        values = to_host(*[t for _, losses in windows for t in losses])
+        self.times[windows[-1][0]] = time.perf_counter()  # when the device was done
+        for done, losses in windows:
+            self.show(done, values[:len(losses)])
+            values = values[len(losses):]
+
+    def show(self, step, values):
+        self.losses += [float(v) for v in values]
+        rate = None
+        if step > self.warm:
+            since = max(s for s in self.times if s < step)
+            rate = (step - since) * self.global_batch / (self.times[step] - self.times[since])
+        if self.quiet:
+            return
+        self.log.write(kind="log", epoch=self.epoch, step=step, loss=self.losses[-1],
+                       losses=self.losses[-len(values):], samples_per_s=rate)
+        speed = "warm-up" if rate is None else (
+            f"{rate:,.0f} samples/s ({rate / self.devices:,.0f} per {self.unit})")
+        line = f"epoch {self.epoch} step {step}/{self.steps} | loss {values[-1]:.4f} | {speed}"
+        if self.progress:
+            self.progress.show(step, self.steps, line)
         else:
-            spawn_replicas(args, device_kind, cores)
+            print0(line)
+
+    def samples_per_s(self):
+        """Throughput of the epoch, its first WARMUP_STEPS steps (and their compiles) left out."""
+        if self.steps <= self.warm:
+            return None
+        return ((self.steps - self.warm) * self.global_batch
+                / (self.times[self.steps] - self.times[self.warm]))
+
+
+class ProgressBar:
+    """One redrawn line on the master, only when stdout is a terminal; plain lines otherwise."""
+
+    @staticmethod
+    def create():
+        return ProgressBar() if is_master() and sys.stdout.isatty() else None
+
+    def show(self, step, steps, text):
+        filled = int(20 * step / steps)
+        sys.stdout.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] {text}\033[K")
+        sys.stdout.write("\n" if step == steps else "")
+        sys.stdout.flush()
+
+
+def write_plot(out_dir):
+    """Training loss per step and test accuracy per epoch, as OUT/metrics.png (master only).
+
+    Figures drawn in spawned replicas never reach a screen, so the master writes a file. A plot
+    that fails is reported, not raised: the other replicas would wait for the master.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a TPU VM
+        import matplotlib.pyplot as plt
+
+        history, epochs = read_history(out_dir)
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax1.plot(range(1, len(history) + 1), [h["loss"] for h in history])
+        ax1.set(title="training loss (master replica)", xlabel="step", ylabel="loss")
+        ax2.plot([e["epoch"] for e in epochs], [e["accuracy"] for e in epochs], marker="o")
+        ax2.set(title="test accuracy", xlabel="epoch", ylabel="%")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "metrics.tmp.png"))
+        plt.close(fig)
+        os.replace(os.path.join(out_dir, "metrics.tmp.png"), os.path.join(out_dir, "metrics.png"))
+    except Exception as e:
+        print(f"plot | not written: {type(e).__name__}: {e}")
+
+
+@dataclasses.dataclass
+class Result:
+    """What fit() gives the parent: the trained model and what the master recorded."""
+    model: nn.Module  # on the host, with the final checkpoint's weights
+    history: list  # one dict per training step: epoch, step, loss (master replica)
+    epochs: list  # one dict per epoch: test loss, accuracy, samples/s, compile figures
+    out_dir: str
+    verdict: dict = None  # with --smoke: the same verdict as the printed table
 
 
 def collect_result(args):
@@ -2109,64 +1761,346 @@ def collect_result(args):
     ckpt = read_checkpoint(*find_checkpoint(args.out_dir))
     model = build_model(args)
     model.load_state_dict(ckpt["model"])
-    history, epochs = read_history(args.out_dir)
     verdict = None
     if args.smoke:
         with open(os.path.join(args.out_dir, "verdict.json")) as f:
             verdict = json.load(f)
-    return Result(model, history, epochs, args.out_dir, verdict)
+    return Result(model, *read_history(args.out_dir), args.out_dir, verdict)
 
 
-def fit(**flags):
-    """Python entry with the command line's flags as keywords: fit(cores=1, data="synthetic").
+# ---- smoke verdict: is this machine fit to train on? -----------------------------------------
 
-    Runs to the end and returns a Result. Raises UsageError or TrainingFailed where main()
-    would exit non-zero, except for a failed smoke verdict: that comes back in Result.verdict.
+
+class Verdict:
+    """PASS/FAIL checks with their figures; printed as a table and written as JSON.
+
+    A check that cannot be true in the test suite's emulated world (README: "what runs where")
+    is added with passed=None: shown as EMUL, counted neither as passed nor as failed.
     """
-    args = parse_args(argv_from(**flags))
-    try:
-        run(args)
-    except TrainingFailed as e:
-        if e.code != EXIT_SMOKE_FAILED:
-            raise
-    if args.export or args.benchmark:
-        return None  # no training run to collect: the figures were printed
-    return collect_result(args)
+
+    def __init__(self):
+        self.checks = []
+
+    def add(self, name, passed, figure):
+        self.checks.append({"name": name, "passed": None if passed is None else bool(passed),
+                            "figure": figure})
+
+    @property
+    def passed(self):
+        return all(c["passed"] is not False for c in self.checks)
+
+    def table(self):
+        mark = {True: "PASS", False: "FAIL", None: "EMUL"}
+        failed = [c["name"] for c in self.checks if c["passed"] is False]
+        checked = sum(c["passed"] is not None for c in self.checks)
+        emulated = len(self.checks) - checked
+        return "\n".join(["smoke verdict"] + [
+            f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in self.checks] + [
+            f"smoke verdict: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}, "
+            f"{checked - len(failed)}/{checked} checks passed"
+            + (f", {emulated} emulated (not checked)" if emulated else "")])
+
+    def publish(self, args):
+        """The master prints the table and writes OUT/verdict.json (and --report)."""
+        if not is_master():
+            return
+        print(self.table(), flush=True)
+        config = {k: v for k, v in vars(args).items() if k != "explicit"}
+        write_json({"passed": self.passed, "checks": self.checks, "config": config,
+                    "versions": versions()}, os.path.join(args.out_dir, "verdict.json"),
+                   args.report)
 
 
-def argv_from(**flags):
-    """fit()'s keywords as command-line flags: True is a switch, False and None are left out."""
-    argv = []
-    for name, value in flags.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not False and value is not None:  # 0 is a value: momentum=0
-            argv += [flag, str(value)]
-    return argv
+def versions():
+    import torchvision
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "torch_xla": torch_xla.__version__, "torchvision": torchvision.__version__}
 
 
-def describe(error):
-    """(exit code, one line) for whatever ended a run."""
-    if isinstance(error, UsageError):
-        return EXIT_BAD_INPUT, f"error: {error}"
-    if isinstance(error, TrainingFailed):
-        return error.code, f"failed: {error}"
-    if isinstance(error, KeyboardInterrupt):
-        return 130, "interrupted"
-    traceback.print_exc()  # a bug (in your model, say): the traceback is what you need
-    return 1, f"failed: {type(error).__name__}: {error} (traceback above)"
+def write_json(data, *paths):
+    for path in filter(None, paths):
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
-def main(argv=None):
-    try:
-        run(parse_args(argv))
-    except (Exception, KeyboardInterrupt) as e:
-        code, line = describe(e)
-        print(f"train_tpu.py: {line}", file=sys.stderr)
-        return code
-    return 0
+class Watchdog:
+    """--smoke never hangs: each check, and the training it runs, has a deadline.
 
+    A hung collective or compile cannot be interrupted from Python. When a deadline passes,
+    this thread marks that check FAIL, prints the verdict with what did finish, and ends the
+    process with exit 5 (xmp.spawn's pool then ends the other replicas: end_this_replica).
+    The deadlines are generous for a TPU's first compiles; --deadline-scale multiplies them.
+    """
+
+    def __init__(self, verdict, args):
+        self.verdict, self.args, self.current = verdict, args, None
+        if verdict is not None:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    @contextlib.contextmanager
+    def deadline(self, name, seconds):
+        seconds *= self.args.deadline_scale
+        self.current = (name, seconds, time.monotonic() + seconds)
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def _watch(self):
+        while True:
+            time.sleep(0.2)
+            current = self.current
+            if current and time.monotonic() > current[2]:
+                name, seconds, _ = current
+                self.verdict.add(name, False, f"did not finish within {seconds:.0f} s (a hang? "
+                                 "more time: --deadline-scale)")
+                try:
+                    self.verdict.publish(self.args)
+                finally:  # whatever publishing does, the process must not go on hanging
+                    end_this_replica(EXIT_SMOKE_FAILED,
+                                     f"failed: smoke verdict FAIL: {name} did not finish")
+
+
+def smoke_checks_before_training(verdict, watch, run, images, labels):
+    with watch.deadline("devices", 120):
+        check_devices(verdict, run.topo, run.args, run.device_kind)
+    with watch.deadline("collectives", 300):  # compiles, then meets every replica
+        check_collectives(verdict, run.topo)
+    with watch.deadline("numerics", 300):
+        check_numerics(verdict, run.model, images, labels, run.topo, run.device_kind, run.args)
+
+
+def check_devices(verdict, topo, args, device_kind):
+    found = xr.global_runtime_device_count()  # in the whole slice, every host's devices
+    # --cores counts this host's devices: 1, or all of them (then the run uses the slice).
+    wanted = 1 if args.cores == 1 else found
+    figure = (f"runtime {device_kind}, device kind {xm.xla_device_hw(topo.device)}, {found} "
+              f"found, {wanted} wanted (--cores {args.cores or 'all'}), {topo.devices} in use")
+    if topo.emulated:
+        verdict.add("devices", None, figure + "; a world of more replicas than devices is the "
+                    "emulation, not a machine")
+    else:
+        verdict.add("devices", topo.devices == wanted, figure)
+
+
+def check_collectives(verdict, topo):
+    """Multi-core: all-reduce each replica's ordinal. SPMD: a reduction over a sharded tensor."""
+    n = topo.devices
+    expected = n * (n - 1) / 2
+    if topo.spmd:
+        import torch_xla.distributed.spmd as xs
+
+        values = torch.arange(n, dtype=torch.float32).to(topo.device)
+        xs.mark_sharding(values, topo.mesh, ("data",))  # one value on each device
+        got = float(values.sum().cpu())  # XLA sums each shard, then all-reduces the partials
+        verdict.add("collectives", got == expected,
+                    f"sharded sum over {n} devices = {got:g} (expected {expected:g})")
+        return
+    ordinal = torch.tensor([float(xr.global_ordinal())], device=topo.device)
+    total = xm.all_reduce(xm.REDUCE_SUM, ordinal)
+    agree = xm.all_reduce(xm.REDUCE_SUM, (total == expected).float())  # replicas that saw it
+    got, agreeing = float(total.cpu()), int(agree.cpu())
+    figure = (f"all-reduce of ordinals = {got:g} on {agreeing}/{n} replicas "
+              f"(expected n(n-1)/2 = {expected:g})")
+    if topo.emulated:  # one device plays every replica: its ordinal is 0 in each of them
+        verdict.add("collectives", None, figure + "; the all-reduce ran, on 1 emulated device")
+    else:
+        verdict.add("collectives", got == expected and agreeing == n, figure)
+
+
+def numerics_tolerance(device_kind, precision, bf16=False):
+    # float32 on the CPU agrees with eager PyTorch to rounding. A TPU's "default" precision
+    # multiplies in one bfloat16 pass (8-bit mantissa, relative error ~4e-3 per product, more
+    # after summing 1,440 of them); "high" is 3 passes (~14 bits), "highest" 6 (~22 bits).
+    # A wrong weight or layout (the third seed's symptom) moves logits by O(1), far above these.
+    # --bf16 on both sides: each result is rounded to 8 mantissa bits (relative 3.9e-3), and the
+    # two sides round in different places (seen here: 3.6e-3 in the logits), so a few of those.
+    if bf16:
+        return 5e-2
+    if device_kind == "CPU":
+        return 1e-5
+    return {"default": 5e-2, "high": 1e-3, "highest": 1e-5}[precision]
+
+
+def check_numerics(verdict, model, images, labels, topo, device_kind, args):
+    """The same first step on the device and in eager PyTorch on the host CPU, from the same
+    weights and batch, each a plain SGD step (on a copy: training itself is untouched).
+    Compared: logits, loss, and the weight update (not the weights, whose size would hide it)."""
+    def one_step(net, x, y):
+        before = [p.detach().clone() for p in net.parameters()]
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            logits = net(x)
+            loss = F.cross_entropy(logits, y)
+        loss.backward()
+        torch.optim.SGD(net.parameters(), lr=args.lr).step()
+        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(net.parameters(), before)])
+        return logits.detach(), loss.detach(), update
+
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    probe, reference = build_model(args).to(topo.device), build_model(args)
+    probe.load_state_dict(state)
+    reference.load_state_dict(state)
+    on_device = one_step(probe, images.to(topo.device), labels.to(topo.device))
+    on_device = [t.cpu() for t in on_device]  # deliberate sync: a one-off check before training
+    on_host = one_step(reference, images, labels)
+    diffs = [float((a.float() - b.float()).abs().max() / b.float().abs().max())
+             for a, b in zip(on_device, on_host)]
+    tol = numerics_tolerance(device_kind, args.matmul_precision, args.bf16)
+    verdict.add("numerics", max(diffs) <= tol,
+                f"first step, device vs eager CPU: rel diff logits {diffs[0]:.1e}, loss "
+                f"{diffs[1]:.1e}, weight update {diffs[2]:.1e} (tolerance {tol:.0e}, " + (
+                    "bfloat16 autocast on both sides)" if args.bf16 else
+                    f"matmul precision {args.matmul_precision}; raise it with "
+                    "--matmul-precision highest)"))
+
+
+def check_checkpoint(verdict, model, optimizer, path):
+    """What was saved, read back from disk, equals what is in memory, tensor for tensor."""
+    ckpt = read_checkpoint(*find_checkpoint(path))
+    live = {f"model.{k}": v.cpu() for k, v in model.state_dict().items()}
+    saved = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for i, state in optimizer.state_dict()["state"].items():
+        live[f"momentum.{i}"] = state["momentum_buffer"].cpu()
+    for i, state in ckpt["optimizer"]["state"].items():
+        saved[f"momentum.{i}"] = state["momentum_buffer"]
+    same = [k for k in live if k in saved and torch.equal(live[k], saved[k])]
+    verdict.add("checkpoint", len(same) == len(live) == len(saved),
+                f"saved, reloaded from {path}: {len(same)}/{len(live)} tensors identical")
+
+
+def finish_verdict(verdict, watch, run, losses, rate, accuracy, path, compiles):
+    """The checks that need the finished run; then the table, the JSON, and the exit code."""
+    args, recompiles = run.args, compiles["recompiles_after_warmup"]
+    allowed, fallbacks = args.max_recompiles or 0, cpu_fallback_ops()
+    verdict.add("compilation", recompiles <= allowed and not fallbacks,
+                f"{compiles['compiles_total']} compilations ({compiles['compile_seconds']:.1f} "
+                f"s), {recompiles} after warm-up "
+                f"(allowed {allowed}), CPU fallback ops: {format_fallbacks(fallbacks)}")
+    verdict.add("throughput", bool(rate),
+                f"{rate or 0:,.0f} samples/s global, {(rate or 0) / run.topo.devices:,.0f} per "
+                f"device (last epoch, its first {WARMUP_STEPS} steps left out)")
+    k = max(1, len(losses) // 4)
+    before, after = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (0.0, 0.0)
+    verdict.add("learning", after < before and (accuracy or 0.0) >= args.target_accuracy,
+                f"loss {before:.3f} -> {after:.3f} (mean of first and last {k} steps), "
+                f"test accuracy {accuracy or 0.0:.2f}% (target {args.target_accuracy:g}%)")
+    if not is_master():
+        return  # the master's verdict is the one printed, written and acted on
+    with watch.deadline("checkpoint", 120):  # reads what the master wrote; no collectives
+        check_checkpoint(verdict, run.model, run.optimizer, path)
+    verdict.publish(args)
+    if not verdict.passed:
+        failed = ", ".join(c["name"] for c in verdict.checks if c["passed"] is False)
+        raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
+
+
+class Profile:
+    """--profile DIR: an XLA profiler trace of PROFILE_STEPS steps after the warm-up, taken by
+    the master (torch_xla.debug.profiler; TensorBoard's profile plugin or Perfetto opens it)."""
+
+    def __init__(self, directory, first_step):
+        self.directory, self.first, self.last = directory, first_step, first_step + PROFILE_STEPS
+        self.started = False
+
+    def at(self, step):
+        import torch_xla.debug.profiler as xp
+
+        if step == self.first and is_master():
+            xp.start_trace(self.directory)
+            self.started = True
+        elif step == self.last:
+            self.close()
+
+    def close(self):
+        """Stops the trace: after its last step, or when the epoch ends (or fails) before."""
+        import torch_xla.debug.profiler as xp
+
+        if not self.started:
+            return
+        self.started = False
+        xm.wait_device_ops()  # the traced steps' device work belongs in the trace
+        xp.stop_trace()
+        print0(f"profile | steps {self.first}-{self.last - 1} traced into {self.directory}: "
+               f"tensorboard --logdir {self.directory} (profile tab), or open the "
+               "*.trace.json.gz in https://ui.perfetto.dev")
+
+
+# ---- benchmarks: the article's recompilation, and the host side of a step ---------------------
+
+
+def one_timed_epoch(args, device_kind, images, labels, batch_size, steps):
+    """`steps` training steps on one device in this process, then one evaluation, as in a run.
+    Returns (meter, compilations, seconds compiling, host-device waits)."""
+    topo = Topology(torch_xla.device(), 1, 0, 1)
+    torch.manual_seed(args.seed)
+    model = build_model(args).to(topo.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    loader, sampler = train_loader(images, labels, batch_size, 1, 0, args.seed,
+                                   args.num_workers, steps)
+    sampler.set_epoch(1)
+    shard = eval_shard(images[:1000], labels[:1000], batch_size, 1, 0)
+    run = Run(args, device_kind, topo, model, optimizer,
+              batches(shard, SequentialSampler(shard), batch_size, False), batch_size)
+    meter = EpochMeter(1, len(loader), batch_size, topo, None, None, quiet=True)
+    (compiles, seconds), waits = CompileCounter.read(), HOST_WAITS[0]
+    train_epoch(run, loader, 1, meter)
+    after, after_seconds = CompileCounter.read()
+    evaluate(model, topo.loader(run.test))  # as at an epoch's end: its wait counts too
+    return meter, after - compiles, after_seconds - seconds, HOST_WAITS[0] - waits
+
+
+def benchmark_layerdrop(args, device_kind):
+    """--benchmark layerdrop: the same steps, seeds and data with dynamic, then static drops.
+    samples/s over steps 3..N: the first two compile in both modes; dynamic keeps compiling."""
+    steps = args.steps_per_epoch or 40
+    args.log_steps = steps  # read the loss only at the warm-up boundary and at the end
+    images, labels = load_split(args, train=True)
+    print(f"benchmark layerdrop | {device_kind} | {steps} steps x batch {args.batch_size} | "
+          f"P {args.layerdrop_prob} | seed {args.seed}")
+    rows = {}
+    for mode in ("dynamic", "static"):
+        args.layerdrop = mode
+        meter, compiles, seconds, _ = one_timed_epoch(args, device_kind, images, labels,
+                                                      args.batch_size, steps)
+        rows[mode] = (compiles, seconds, meter.samples_per_s())
+        print(f"{mode:8} | {compiles:3d} compilations | {seconds:6.1f} s compiling | "
+              f"{rows[mode][2]:8,.0f} samples/s (steps 3-{steps}) | loss {meter.losses[-1]:.4f}")
+    (dyn_compiles, dyn_seconds, dyn_rate), (static_compiles, static_seconds, static_rate) = \
+        rows["dynamic"], rows["static"]
+    print(f"ratio    | static runs {static_rate / dyn_rate:.1f}x the samples/s of dynamic, with "
+          f"{dyn_compiles} vs {static_compiles} compilations ({dyn_seconds:.1f} s vs "
+          f"{static_seconds:.1f} s compiling)")
+    return rows
+
+
+def benchmark_host(args, device_kind):
+    """--benchmark host: what bounds a small model's step on a TPU is the host. Input samples/s
+    (the DataLoader alone, no device), steps/s of the training loop (one device, --log-steps as
+    given) and the host-device waits of one epoch's steps and evaluation."""
+    images, labels = load_split(args, train=True)
+    figures = {"input_samples_per_s": {}, "steps_per_s": {}, "host_waits_per_epoch": None,
+               "device": device_kind, "versions": versions()}
+    for batch in (128, 1024, 8192):
+        loader, sampler = train_loader(images, labels, batch, 1, 0, args.seed, args.num_workers)
+        sampler.set_epoch(1)
+        began, samples = time.perf_counter(), sum(len(b["label"]) for b in loader)
+        figures["input_samples_per_s"][batch] = rate = samples / (time.perf_counter() - began)
+        print(f"host input | batch {batch:5,} | {rate:12,.0f} samples/s ({samples:,} samples)")
+    steps = args.steps_per_epoch or 300
+    for batch in (8, 128):
+        meter, _, _, waits = one_timed_epoch(args, device_kind, images, labels, batch, steps)
+        figures["steps_per_s"][batch] = rate = meter.samples_per_s() / batch
+        figures["host_waits_per_epoch"] = waits
+        print(f"host steps | batch {batch:5,} | {rate:12,.1f} steps/s ({rate * batch:,.0f} "
+              f"samples/s, steps 3-{steps}, logged every {args.log_steps}) | host-device waits "
+              f"{waits}")
+    write_json(figures, args.report)
+    return figures
+
+
+BENCHMARKS = {"layerdrop": benchmark_layerdrop, "host": benchmark_host}
 
 if os.environ.get(STOP_FILE):
     # Imported while a run is on: a replica process of xmp.spawn, importing this file in its
