@@ -723,6 +723,9 @@ def test_emulated_world_2_smoke_has_no_fallback_ops(tmp_path):
     compile_lines = [line for line in r.stdout.splitlines() if " compiles | " in line]
     assert len(compile_lines) == 3  # epoch 1, epoch 2, done
     assert all(line.endswith("CPU fallback ops: none") for line in compile_lines)
+    # Per epoch: the replicas agree at each boundary before the last (steps 2, 10, 20, 30 of
+    # 40), then the epoch's end reads its last losses, evaluates, and agrees once more.
+    assert all("| host-device waits 7 |" in line for line in compile_lines)
     checks = {c["name"]: c["passed"] for c in json.load(open(tmp_path / "r.json"))["checks"]}
     assert checks["compilation"] is True
     # One device cannot show two devices or two ordinals: reported as emulated, never PASS.
@@ -1232,6 +1235,10 @@ def test_frequent_saves_keep_at_most_k_checkpoints(mode, tmp_path):
     assert r.returncode == 0, r.stderr
     held = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(held) == 6  # steps 10 and 20, then the end, of each of 2 epochs
+    # The loop waits for the device only to save: at steps 10 and 20 and at the end, each a read
+    # of the losses not read yet and an evaluation. Logging (steps 2 and 20) adds no wait.
+    waits = re.findall(r"^epoch \d compiles .*\| host-device waits (\d+) \|", r.stdout, re.M)
+    assert waits == ["6", "6"]
     assert max(len(h) for h in held) == 2 and [len(h) for h in held][:1] == [1]
     # The newest is always kept: after the last save, the end of epoch 2 and the one before.
     if mode == "spmd4":
@@ -1239,6 +1246,24 @@ def test_frequent_saves_keep_at_most_k_checkpoints(mode, tmp_path):
     else:
         assert held[-1] == ["checkpoint-epoch-0001-step-000020.pt", "checkpoint.pt"]
         assert final_weights(tmp_path / "run")["epoch"] == 3
+
+
+def test_host_benchmark_reports_input_steps_and_waits(tmp_path):
+    r = run_cli("--benchmark", "host", "--data", "synthetic", "--steps-per-epoch", 30,
+                "--log-steps", 10, "--report", tmp_path / "b.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    figures = json.load(open(tmp_path / "b.json"))
+    printed = dict(re.findall(r"^host input \| batch\s+([\d,]+) \|\s+([\d,]+) samples/s", r.stdout,
+                              re.M))
+    assert sorted(figures["input_samples_per_s"], key=int) == ["128", "1024", "8192"]
+    for batch, rate in figures["input_samples_per_s"].items():
+        assert printed[f"{int(batch):,}"] == f"{rate:,.0f}" and rate > 0
+    steps = dict(re.findall(r"^host steps \| batch\s+(\d+) \|\s+([\d.]+) steps/s", r.stdout, re.M))
+    assert {b: f"{v:.1f}" for b, v in figures["steps_per_s"].items()} == steps
+    # One epoch's steps (logged every 10, read a window late: no wait) and its evaluation:
+    # the end's read of the last losses, and the evaluation's read of its sums.
+    assert figures["host_waits_per_epoch"] == 2
+    assert r.stdout.count("| host-device waits 2") == 2
 
 
 # ---- added: mutation-testing gaps (overwrite, throughput, resume check, numerics tolerance,
