@@ -106,79 +106,90 @@ def print0(*args, **kwargs):
 # ---- flags -----------------------------------------------------------------------------------
 
 
+def flag(*names, **options):
+    return names, options
+
+
+# Every flag, in its --help group. Checked right after parsing by flag_rules (below).
+FLAGS = {
+    "devices": [
+        flag("--cores", type=int, metavar="N",
+             help="devices to train on: 1, or all of them (the default)"),
+        flag("--spmd", action="store_true",
+             help="one process drives every device; the batch is sharded by GSPMD")],
+    "data": [
+        flag("--data", choices=("mnist", "synthetic"), default="mnist",
+             help="torchvision MNIST, or generated digits made in memory"),
+        flag("--data-dir", default="data", metavar="DIR",
+             help="where MNIST lives (DIR/MNIST/raw/*-ubyte) or is downloaded to"),
+        flag("--num-workers", type=int, default=0, metavar="N",
+             help="DataLoader worker processes per replica")],
+    "training": [
+        flag("--epochs", type=int, default=3, metavar="N", help="epochs to train in total"),
+        flag("--batch-size", type=int, default=128, metavar="N", help="samples per core per step"),
+        flag("--lr", type=float, default=0.05,
+             help="SGD learning rate, used as given (not scaled with the world size)"),
+        flag("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)"),
+        flag("--steps-per-epoch", type=int, metavar="N",
+             help="stop each epoch after N steps (quick runs; default: the whole set)"),
+        flag("--seed", type=int, default=0,
+             help="seeds the weights, the shuffling and the layerdrop coin flips"),
+        flag("--bf16", action="store_true",
+             help="autocast the training forward pass and loss to bfloat16 on the device; "
+                  "weights, optimizer and evaluation stay float32"),
+        flag("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
+             help="exit 21 if the final test accuracy (0-100) is below this")],
+    "layerdrop and recompilation": [
+        flag("--layerdrop", choices=("off", "dynamic", "static"), default="off",
+             help="off: ToyModel; dynamic: the article's host coin flips (recompiles); "
+                  "static: the same drops decided on the device (one graph)"),
+        flag("--layerdrop-prob", type=float, default=0.5, metavar="P",
+             help="probability that each of the 50 fc2 applications is dropped"),
+        flag("--max-recompiles", type=int, metavar="N",
+             help="exit 3 when more than N graphs compile after warm-up (epoch 1)"),
+        flag("--metrics-debug", action="store_true",
+             help="print torch_xla's full metrics report after every epoch")],
+    "smoke test and benchmarks": [
+        flag("--smoke", action="store_true",
+             help="a short run that ends with a PASS/FAIL verdict per check; exit 0 only if all "
+                  "pass (presets, unless given: " + ", ".join(
+                      f"--{k.replace('_', '-')} {v}" for k, v in SMOKE_PRESET.items()) + ")"),
+        flag("--benchmark", choices=("layerdrop", "host"),
+             help="layerdrop: dynamic vs static layerdrop on one device; host: input, steps/s "
+                  "and host-device waits; print the figures and exit"),
+        flag("--report", metavar="PATH",
+             help="with --smoke or --benchmark host: also write the figures as JSON"),
+        flag("--deadline-scale", type=float, default=1.0, metavar="X",
+             help="with --smoke: multiply each check's deadline by X (a check that does not "
+                  "finish in time FAILs, so a hang never blocks the verdict)"),
+        flag("--matmul-precision", choices=("default", "high", "highest"), default="default",
+             help="TPU matmul precision (default: one bfloat16 pass); the numerics check's "
+                  "tolerance follows it")],
+    "logging and checkpoints": [
+        flag("--log-steps", type=int, default=20, metavar="N", help="log every N steps"),
+        flag("--out-dir", metavar="DIR",
+             help="checkpoints and metrics (default: runs/<time>, or the --resume run)"),
+        flag("--overwrite", action="store_true",
+             help="start clean in an --out-dir that already holds a run (deletes it)"),
+        flag("--profile", metavar="DIR",
+             help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR"),
+        flag("--save-steps", type=int, metavar="N",
+             help="also checkpoint every N training steps (default: at epoch ends only)"),
+        flag("--keep-checkpoints", type=int, default=2, metavar="K",
+             help="checkpoints kept in --out-dir, the newest always among them"),
+        flag("--resume", metavar="PATH",
+             help="continue from a checkpoint: an xm.save file, an SPMD directory, or a run"),
+        flag("--export", metavar="FILE",
+             help="with --resume: write that checkpoint as one torch.save file, then exit")]}
+
+
 def build_parser():
     p = _Parser(prog="train_tpu.py", description="Train the article's ToyModel on TPU cores.",
                 allow_abbrev=False, formatter_class=_Help)
-    g = p.add_argument_group("devices")
-    g.add_argument("--cores", type=int, metavar="N",
-                   help="devices to train on: 1, or all of them (the default)")
-    g.add_argument("--spmd", action="store_true",
-                   help="one process drives every device; the batch is sharded by GSPMD")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", choices=("mnist", "synthetic"), default="mnist",
-                   help="torchvision MNIST, or generated digits made in memory")
-    g.add_argument("--data-dir", default="data", metavar="DIR",
-                   help="where MNIST lives (DIR/MNIST/raw/*-ubyte) or is downloaded to")
-    g.add_argument("--num-workers", type=int, default=0, metavar="N",
-                   help="DataLoader worker processes per replica")
-    g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=3, metavar="N", help="epochs to train in total")
-    g.add_argument("--batch-size", type=int, default=128, metavar="N",
-                   help="samples per core per step")
-    g.add_argument("--lr", type=float, default=0.05,
-                   help="SGD learning rate, used as given (not scaled with the world size)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
-    g.add_argument("--steps-per-epoch", type=int, metavar="N",
-                   help="stop each epoch after N steps (quick runs; default: the whole set)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="seeds the weights, the shuffling and the layerdrop coin flips")
-    g.add_argument("--bf16", action="store_true",
-                   help="autocast the training forward pass and loss to bfloat16 on the device;"
-                        " weights, optimizer and evaluation stay float32")
-    g.add_argument("--target-accuracy", type=float, default=0.0, metavar="PERCENT",
-                   help="exit 21 if the final test accuracy (0-100) is below this")
-    g = p.add_argument_group("layerdrop and recompilation")
-    g.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off",
-                   help="off: ToyModel; dynamic: the article's host coin flips (recompiles); "
-                        "static: the same drops decided on the device (one graph)")
-    g.add_argument("--layerdrop-prob", type=float, default=0.5, metavar="P",
-                   help="probability that each of the 50 fc2 applications is dropped")
-    g.add_argument("--max-recompiles", type=int, metavar="N",
-                   help="exit 3 when more than N graphs compile after warm-up (epoch 1)")
-    g.add_argument("--metrics-debug", action="store_true",
-                   help="print torch_xla's full metrics report after every epoch")
-    g = p.add_argument_group("smoke test and benchmarks")
-    g.add_argument("--smoke", action="store_true",
-                   help="a short run that ends with a PASS/FAIL verdict per check; exit 0 only if"
-                        " all pass (presets, unless given: " + ", ".join(
-                            f"--{k.replace('_', '-')} {v}" for k, v in SMOKE_PRESET.items()) + ")")
-    g.add_argument("--benchmark", choices=("layerdrop", "host"),
-                   help="layerdrop: dynamic vs static layerdrop on one device; host: input, "
-                        "steps/s and host-device waits; print the figures and exit")
-    g.add_argument("--report", metavar="PATH",
-                   help="with --smoke or --benchmark host: also write the figures as JSON")
-    g.add_argument("--deadline-scale", type=float, default=1.0, metavar="X",
-                   help="with --smoke: multiply each check's deadline by X (a check that does not"
-                        " finish in time FAILs, so a hang never blocks the verdict)")
-    g.add_argument("--matmul-precision", choices=("default", "high", "highest"),
-                   default="default", help="TPU matmul precision (default: one bfloat16 pass); "
-                                           "the numerics check's tolerance follows it")
-    g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--log-steps", type=int, default=20, metavar="N", help="log every N steps")
-    g.add_argument("--out-dir", metavar="DIR",
-                   help="checkpoints and metrics (default: runs/<time>, or the --resume run)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start clean in an --out-dir that already holds a run (deletes it)")
-    g.add_argument("--profile", metavar="DIR",
-                   help="write an XLA profiler trace of the first epoch's steps 3-12 to DIR")
-    g.add_argument("--save-steps", type=int, metavar="N",
-                   help="also checkpoint every N training steps (default: at epoch ends only)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
-                   help="checkpoints kept in --out-dir, the newest always among them")
-    g.add_argument("--resume", metavar="PATH",
-                   help="continue from a checkpoint: an xm.save file, an SPMD directory, or a run")
-    g.add_argument("--export", metavar="FILE",
-                   help="with --resume: write that checkpoint as one torch.save file, then exit")
+    for title, flags in FLAGS.items():
+        group = p.add_argument_group(title)
+        for names, options in flags:
+            group.add_argument(*names, **options)
     return p
 
 
