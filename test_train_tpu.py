@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -189,6 +190,7 @@ def test_static_and_dynamic_compute_the_same_function():
     (["--layerdrop-prob", "1.5"], "--layerdrop-prob 1.5: must be in [0, 1]"),
     (["--epochs", "two"], "invalid int value"),
     (["--export", "x.pt"], "--export needs --resume"),
+    (["--resume", ""], "--resume : no such file or directory"),  # "$RUN" with RUN unset
     (["--smoke", "--report", "no/such/dir/r.json"], "does not exist"),
     (["--smoke", "--resume", "."], "leave out --resume"),
     (["--benchmark", "layerdrop", "--steps-per-epoch", "2"], "needs more than 2 steps"),
@@ -1407,6 +1409,24 @@ def test_resume_takes_unset_settings_from_the_checkpoint_and_keeps_given_ones(tm
     # ...and the flags given now win.
     assert (args.lr, args.epochs) == (0.2, 4)
     assert "--momentum 0.5" in capsys.readouterr().out
+
+
+def test_a_resumed_run_steps_with_the_lr_and_momentum_it_was_given(synthetic_run, tmp_path):
+    _, source = synthetic_run
+    shutil.copytree(source, tmp_path / "run")
+    r = run_cli("--resume", tmp_path / "run", "--epochs", 2, "--steps-per-epoch", 10,
+                "--lr", 0.01, "--momentum", 0.5, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # The optimizer's saved settings (lr 0.05, momentum 0.9) must not override the flags.
+    group = final_weights(tmp_path / "run")["optimizer"]["param_groups"][0]
+    assert (group["lr"], group["momentum"], group["foreach"]) == (0.01, 0.5, True)
+    # A position past this run's (shorter) epochs cannot be continued: exit 2, nothing written.
+    torch.save(dict(final_weights(tmp_path / "run"), epoch=2, step=12, global_batch=128),
+               tmp_path / "mid.pt")
+    r = run_cli("--resume", tmp_path / "mid.pt", "--steps-per-epoch", 10, "--out-dir",
+                tmp_path / "mid", cwd=tmp_path)
+    assert r.returncode == 2 and "this run's epochs have 10 steps" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "mid" / "checkpoint.pt")
 
 
 CHILD_SCRIPT = r"""

@@ -212,19 +212,23 @@ def flag_rules(a):
         (f"--deadline-scale {a.deadline_scale}", not 0 < a.deadline_scale < math.inf,
          "must be a positive number"),
         (f"--max-recompiles {a.max_recompiles}", (a.max_recompiles or 0) < 0, "must be 0 or more"),
-        (f"--resume {a.resume}", a.resume and not os.path.exists(a.resume),
+        (f"--resume {a.resume}", a.resume is not None and not os.path.exists(a.resume),
          "no such file or directory"),
-        (f"--export {a.export}", a.export and os.path.isdir(a.export), "a folder is there; name "
-         f"the file to write, e.g. {os.path.join(a.export or '', 'model.pt')}"),
-        ("--export needs --resume PATH", a.export and not a.resume, "the checkpoint to convert"),
+        (f"--export {a.export}", a.export is not None and os.path.isdir(a.export),
+         f"a folder is there; name the file to write, e.g. "
+         f"{os.path.join(a.export or '', 'model.pt')}"),
+        ("--export needs --resume PATH", a.export is not None and a.resume is None,
+         "the checkpoint to convert"),
         (f"--profile traces steps {WARMUP_STEPS + 1}-{traced}",
-         a.profile and (a.steps_per_epoch or traced + 1) <= traced,
+         a.profile is not None and (a.steps_per_epoch or traced + 1) <= traced,
          f"--steps-per-epoch must be more than {traced}"),
-        (f"--profile {a.profile}", a.profile and os.path.isfile(a.profile),
+        (f"--profile {a.profile}", a.profile is not None and (not a.profile or
+                                                         os.path.isfile(a.profile)),
          "a file is there; name a folder for the trace"),
         ("--report writes the smoke verdict or the host benchmark",
-         a.report and not (a.smoke or a.benchmark == "host"), "add --smoke or --benchmark host"),
-        ("--smoke checks a fresh run", a.smoke and a.resume, "leave out --resume"),
+         a.report is not None and not (a.smoke or a.benchmark == "host"),
+         "add --smoke or --benchmark host"),
+        ("--smoke checks a fresh run", a.smoke and a.resume is not None, "leave out --resume"),
         (f"--steps-per-epoch {a.steps_per_epoch}",
          a.benchmark and (a.steps_per_epoch or 99) <= WARMUP_STEPS,
          f"the benchmark needs more than {WARMUP_STEPS} steps (the first {WARMUP_STEPS} "
@@ -634,10 +638,11 @@ class Run:
     test: DataLoader  # this replica's evaluation shard
     global_batch: int  # samples per step over all devices
 
-    def save(self, position):
-        """Evaluates, then saves at `position` (epoch, steps of it done); the master writes."""
-        loss, accuracy, counted = evaluate(self.model, self.topo.loader(self.test),
-                                           self.topo.reduce)
+    def save(self, position, measured=None):
+        """Evaluates (unless `measured` already), then saves at `position` (epoch, steps of it
+        done); the master writes."""
+        loss, accuracy, counted = measured or evaluate(self.model, self.topo.loader(self.test),
+                                                       self.topo.reduce)
         ckpt = checkpoint_dict(self.model, self.optimizer, position, self.args, loss, accuracy,
                                self.device_kind, self.global_batch)
         path = save_checkpoint(ckpt, self.args.out_dir, self.topo.spmd, self.args.keep_checkpoints)
@@ -669,6 +674,8 @@ def train_epoch(run, loader, epoch, meter, profile=None):
         # full queue, with DataLoader workers alive (torch_xla/distributed/parallel_loader.py).
         device_batches._loader.close()
     if step != meter.steps:  # MpDeviceLoader's feeder ends the epoch quietly when input fails
+        if meter.progress:
+            print()  # end the progress bar's line first
         raise TrainingFailed(f"the input pipeline stopped after step {step} of {meter.steps} in "
                              f"epoch {epoch} (an error in the dataset or a DataLoader worker)", 1)
     meter.log_the_rest()  # the epoch's end: waits for its last steps
@@ -762,7 +769,7 @@ def run_training(args, device_kind, mesh=None):
     if verdict:
         smoke_checks_before_training(verdict, watch, run, images[:load_batch],
                                      labels[:load_batch])
-    start, accuracy = resume(run) if args.resume else ((1, 0), None)
+    start, accuracy = resume(run, len(loader)) if args.resume else ((1, 0), None)
     path, accuracy, losses, rate, compiles = train_epochs(run, loader, sampler, start, watch) \
         if start[0] <= args.epochs else (None, accuracy, [], None, None)
     shown = "n/a" if accuracy is None else f"{accuracy:.2f}%"
@@ -1021,16 +1028,21 @@ def refuse_a_running_runtime(args, cores):
 
 # ---- compilations, host-device waits, and the epoch's report ---------------------------------
 
-HOST_WAITS = [0]  # deliberate waits for the device in this process (to_host), a running total
+HOST_WAITS = threading.local()  # this replica's deliberate waits (to_host), a running total
+
+
+def host_waits():
+    return getattr(HOST_WAITS, "count", 0)
 
 
 def to_host(*tensors, wait=True):
     """Device tensors as host tensors: the only place the training loop reads device values.
 
     wait=True marks a deliberate wait: the device may still be computing them, so the host stops
-    until it has caught up. Each epoch's compile line counts them ("host-device waits").
+    until it has caught up. Each epoch's compile line counts them ("host-device waits"). A
+    checkpoint's write is not counted: the evaluation before it has waited for the weights.
     """
-    HOST_WAITS[0] += bool(wait)
+    HOST_WAITS.count = host_waits() + bool(wait)
     return [t.detach().cpu() for t in tensors]
 
 
@@ -1046,7 +1058,7 @@ class CompileCounter:
         return (data[0], data[1] / 1e9) if data else (0, 0.0)
 
     def start_epoch(self):
-        self.at_epoch_start, self.waits_at_start = self.read()[0], HOST_WAITS[0]
+        self.at_epoch_start, self.waits_at_start = self.read()[0], host_waits()
 
     def recompiles_so_far(self):
         return 0 if self.at_warmup_end is None else self.read()[0] - self.at_warmup_end
@@ -1058,7 +1070,7 @@ class CompileCounter:
         return dict(compiles_epoch=total - self.at_epoch_start, compiles_total=total,
                     compile_seconds=round(seconds, 3),
                     recompiles_after_warmup=total - self.at_warmup_end,
-                    host_waits=HOST_WAITS[0] - self.waits_at_start,
+                    host_waits=host_waits() - self.waits_at_start,
                     cpu_fallback_ops=cpu_fallback_ops())
 
 
@@ -1257,8 +1269,8 @@ def inspect_checkpoint(path, args):
     and be long enough, so an interrupted copy fails here, not halfway through loading.
     """
     kind, where = find_checkpoint(path)
-    plain = plain_fields(kind, where)
     if kind == "xm.save":
+        plain = plain_fields(kind, where)
         shapes = {k: tuple(v.shape) for k, v in plain["model"].items()}
     else:
         metadata = read_spmd_metadata(where)
@@ -1273,6 +1285,7 @@ def inspect_checkpoint(path, args):
                                  "the checkpoint is incomplete")
         shapes = {k[len("model."):]: tuple(v.size)
                   for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+        plain = plain_fields(kind, where)
     apply_saved_settings(plain, args)
     check_model_fits(shapes, args, where)
     return plain["epoch"], plain.get("step", 0)
@@ -1379,9 +1392,10 @@ def load_spmd_in_place(run, directory):
     return ckpt
 
 
-def resume(run):
+def resume(run, steps):
     """Loads --resume, proves it still computes its saved test loss, converts it if needed.
-    Returns ((epoch, steps of it done) to continue at, the checkpoint's accuracy)."""
+    `steps`: this run's steps per epoch. Returns ((epoch, steps of it done) to continue at,
+    the checkpoint's accuracy)."""
     args, topo = run.args, run.topo
     kind, where = find_checkpoint(args.resume)
     if kind == "spmd" and topo.spmd:
@@ -1394,6 +1408,8 @@ def resume(run):
         print0(f"resume | {kind} checkpoint {where}: " + (
             "placed on the devices and replicated; later saves use the SPMD format"
             if topo.spmd else "loaded on every replica"))
+    for group in run.optimizer.param_groups:  # this run's settings, not the saved ones
+        group.update(lr=args.lr, momentum=args.momentum, foreach=True)
     # The samples of the epoch already trained on are the same on any device count (a prefix
     # of the epoch's shuffle): continue after that many samples, in whole steps of this run.
     samples = ckpt.get("step", 0) * (ckpt.get("global_batch") or run.global_batch)
@@ -1402,12 +1418,16 @@ def resume(run):
                          f"{ckpt['epoch']}, which is not a whole number of steps of this run's "
                          f"global batch {run.global_batch}; pick a --batch-size that divides it")
     position = ckpt["epoch"], samples // run.global_batch
-    loss, accuracy, _ = evaluate(run.model, topo.loader(run.test), topo.reduce)
+    if position[1] >= steps:
+        raise UsageError(f"--resume {args.resume}: saved {position[1]} steps into epoch "
+                         f"{position[0]}, and this run's epochs have {steps} steps; give a "
+                         "larger --steps-per-epoch, or resume with the batch it was saved with")
+    measured = loss, accuracy, _ = evaluate(run.model, topo.loader(run.test), topo.reduce)
     compare_with_saved(ckpt, loss, accuracy, args, run.device_kind, "resume check")
     if is_master():
         continue_run_folder(args.out_dir, ckpt)
     if (kind == "spmd") != topo.spmd:  # converted: save it in this mode's format at once
-        print0(f"resume | converted checkpoint saved as {run.save(position)[0]}")
+        print0(f"resume | converted checkpoint saved as {run.save(position, measured)[0]}")
     if position[0] > args.epochs:
         print0(f"resume | nothing to train: the checkpoint finished epoch {position[0] - 1}, "
                f"--epochs is {args.epochs}")
@@ -2051,7 +2071,8 @@ class Profile:
 def one_timed_epoch(args, device_kind, images, labels, batch_size, steps):
     """`steps` training steps on one device in this process, then one evaluation, as in a run.
     Returns (meter, compilations, seconds compiling, host-device waits)."""
-    topo = Topology(torch_xla.device(), 1, 0, 1)
+    topo, args = Topology(torch_xla.device(), 1, 0, 1), argparse.Namespace(**vars(args))
+    args.save_steps = None  # a benchmark times steps: it saves nothing
     torch.manual_seed(args.seed)
     model = build_model(args).to(topo.device)
     optimizer = build_optimizer(model, args)
@@ -2062,11 +2083,11 @@ def one_timed_epoch(args, device_kind, images, labels, batch_size, steps):
     run = Run(args, device_kind, topo, model, optimizer,
               batches(shard, SequentialSampler(shard), batch_size, False), batch_size)
     meter = EpochMeter(1, len(loader), batch_size, topo, None, None, quiet=True)
-    (compiles, seconds), waits = CompileCounter.read(), HOST_WAITS[0]
+    (compiles, seconds), waits = CompileCounter.read(), host_waits()
     train_epoch(run, loader, 1, meter)
     after, after_seconds = CompileCounter.read()
     evaluate(model, topo.loader(run.test))  # as at an epoch's end: its wait counts too
-    return meter, after - compiles, after_seconds - seconds, HOST_WAITS[0] - waits
+    return meter, after - compiles, after_seconds - seconds, host_waits() - waits
 
 
 def benchmark_layerdrop(args, device_kind):
@@ -2119,8 +2140,8 @@ def benchmark_host(args, device_kind):
         figures["steps_per_s"][batch] = rate = meter.samples_per_s() / batch
         figures["host_waits_per_epoch"] = waits
         print(f"host steps | batch {batch:5,} | {rate:12,.1f} steps/s ({rate * batch:,.0f} "
-              f"samples/s, steps 3-{steps}, logged every {args.log_steps}) | host-device waits "
-              f"{waits}")
+              f"samples/s, steps 3-{meter.steps}, logged every {args.log_steps}) | "
+              f"host-device waits {waits}")
     write_json(figures, args.report)
     return figures
 
