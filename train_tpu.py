@@ -2034,6 +2034,9 @@ def finish_verdict(verdict, watch, run, losses, rate, accuracy, path, compiles):
         raise TrainingFailed(f"smoke verdict FAIL: {failed}", EXIT_SMOKE_FAILED)
 
 
+# ---- the host side of a step: a profile trace, and the benchmarks ----------------------------
+
+
 class Profile:
     """--profile DIR: an XLA profiler trace of PROFILE_STEPS steps after the warm-up, taken by
     the master (torch_xla.debug.profiler; TensorBoard's profile plugin or Perfetto opens it)."""
@@ -2065,12 +2068,10 @@ class Profile:
                "*.trace.json.gz in https://ui.perfetto.dev")
 
 
-# ---- benchmarks: the article's recompilation, and the host side of a step ---------------------
-
-
-def one_timed_epoch(args, device_kind, images, labels, batch_size, steps):
-    """`steps` training steps on one device in this process, then one evaluation, as in a run.
-    Returns (meter, compilations, seconds compiling, host-device waits)."""
+def one_timed_epoch(args, device_kind, images, labels, batch_size, steps, evaluation=False):
+    """`steps` training steps on one device in this process (then, with `evaluation`, one
+    evaluation, as at an epoch's end). Returns (meter, compilations, seconds compiling,
+    host-device waits)."""
     topo, args = Topology(torch_xla.device(), 1, 0, 1), argparse.Namespace(**vars(args))
     args.save_steps = None  # a benchmark times steps: it saves nothing
     torch.manual_seed(args.seed)
@@ -2086,7 +2087,8 @@ def one_timed_epoch(args, device_kind, images, labels, batch_size, steps):
     (compiles, seconds), waits = CompileCounter.read(), host_waits()
     train_epoch(run, loader, 1, meter)
     after, after_seconds = CompileCounter.read()
-    evaluate(model, topo.loader(run.test))  # as at an epoch's end: its wait counts too
+    if evaluation:  # as at an epoch's end: its wait counts too
+        evaluate(model, topo.loader(run.test))
     return meter, after - compiles, after_seconds - seconds, host_waits() - waits
 
 
@@ -2136,7 +2138,8 @@ def benchmark_host(args, device_kind):
               "5 epochs after an untimed one)")
     steps = args.steps_per_epoch or 300
     for batch in (8, 128):
-        meter, _, _, waits = one_timed_epoch(args, device_kind, images, labels, batch, steps)
+        meter, _, _, waits = one_timed_epoch(args, device_kind, images, labels, batch, steps,
+                                             evaluation=True)
         figures["steps_per_s"][batch] = rate = meter.samples_per_s() / batch
         figures["host_waits_per_epoch"] = waits
         print(f"host steps | batch {batch:5,} | {rate:12,.1f} steps/s ({rate * batch:,.0f} "
