@@ -1429,6 +1429,20 @@ def test_a_resumed_run_steps_with_the_lr_and_momentum_it_was_given(synthetic_run
     assert not os.path.exists(tmp_path / "mid" / "checkpoint.pt")
 
 
+def test_spmd_resume_may_turn_the_momentum_on(tmp_path):
+    run = tmp_path / "run"
+    spmd = ["--spmd", "--cores", 2]
+    r = run_cli(*spmd, "--data", "synthetic", "--epochs", 1, "--steps-per-epoch", 5,
+                "--momentum", 0, "--out-dir", run, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # Saved without momentum buffers: the resumed run must not expect them in the checkpoint.
+    r = run_cli(*spmd, "--resume", run, "--epochs", 2, "--momentum", 0.9, cwd=tmp_path)
+    assert r.returncode == 0 and "| equal" in r.stdout, r.stderr
+    ckpt = final_weights(run)
+    assert ckpt["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    assert sorted(ckpt["optimizer"]["state"]) == [0, 1, 2, 3]  # buffers made by epoch 2's steps
+
+
 CHILD_SCRIPT = r"""
 import sys
 import train_tpu as tt

@@ -1368,14 +1368,14 @@ def load_spmd_in_place(run, directory):
     import torch.distributed.checkpoint as dcp
     import torch_xla.experimental.distributed_checkpoint as xc
 
-    # DCP loads into tensors that exist. A fresh SGD has no momentum buffers yet: make zero ones
-    # (a dummy optimizer step would move the weights).
-    for group in run.optimizer.param_groups:
-        if group["momentum"] != 0:  # without momentum SGD keeps no state at all
-            for p in group["params"]:
-                run.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    ckpt = checkpoint_dict(run.model, run.optimizer, (0, 0), run.args, 0.0, 0.0, "")
     saved_keys = read_spmd_metadata(directory).state_dict_metadata
+    # DCP loads into tensors that exist. A fresh SGD has no momentum buffers yet: make zero ones
+    # where the checkpoint has them (a dummy optimizer step would move the weights).
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    for i, p in enumerate(params):  # numbered as optimizer.state_dict() numbers them
+        if f"optimizer.state.{i}.momentum_buffer" in saved_keys:
+            run.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    ckpt = checkpoint_dict(run.model, run.optimizer, (0, 0), run.args, 0.0, 0.0, "")
     for key in ("step", "global_batch"):  # saved before mid-epoch checkpoints existed
         if key not in saved_keys:
             del ckpt[key]
