@@ -636,7 +636,10 @@ class Run:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     test: DataLoader  # this replica's evaluation shard
-    global_batch: int  # samples per step over all devices
+
+    @property
+    def global_batch(self):
+        return self.args.batch_size * self.topo.devices  # samples per step over all devices
 
     def save(self, position, measured=None):
         """Evaluates (unless `measured` already), then saves at `position` (epoch, steps of it
@@ -755,8 +758,7 @@ def run_training(args, device_kind, mesh=None):
                                    args.num_workers, args.steps_per_epoch)
     shard = eval_shard(*load_split(args, train=False), load_batch, topo.world, topo.rank)
     run = Run(args, device_kind, topo, model, optimizer,
-              batches(shard, SequentialSampler(shard), load_batch, False),
-              args.batch_size * topo.devices)
+              batches(shard, SequentialSampler(shard), load_batch, False))
     if len(loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size}: a global batch of {run.global_batch}"
                          f" is larger than the {len(images)} training samples")
@@ -2073,7 +2075,7 @@ def one_timed_epoch(args, device_kind, images, labels, batch_size, steps, evalua
     evaluation, as at an epoch's end). Returns (meter, compilations, seconds compiling,
     host-device waits)."""
     topo, args = Topology(torch_xla.device(), 1, 0, 1), argparse.Namespace(**vars(args))
-    args.save_steps = None  # a benchmark times steps: it saves nothing
+    args.save_steps, args.batch_size = None, batch_size  # it times steps: it saves nothing
     torch.manual_seed(args.seed)
     model = build_model(args).to(topo.device)
     optimizer = build_optimizer(model, args)
@@ -2082,7 +2084,7 @@ def one_timed_epoch(args, device_kind, images, labels, batch_size, steps, evalua
     sampler.set_epoch(1)
     shard = eval_shard(images[:1000], labels[:1000], batch_size, 1, 0)
     run = Run(args, device_kind, topo, model, optimizer,
-              batches(shard, SequentialSampler(shard), batch_size, False), batch_size)
+              batches(shard, SequentialSampler(shard), batch_size, False))
     meter = EpochMeter(1, len(loader), batch_size, topo, None, None, quiet=True)
     (compiles, seconds), waits = CompileCounter.read(), host_waits()
     train_epoch(run, loader, 1, meter)
