@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch.utils.data import DataLoader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,6 +75,8 @@ def test_synthetic_data_is_deterministic_and_learnable():
     test_images, test_labels = tt.synthetic_digits(1000, 99)
     torch.manual_seed(0)
     model = tt.ToyModel()
+    assert a_images.dtype == torch.uint8  # pixels, as MNIST stores them
+    a_images, test_images = tt.model_input(a_images), tt.model_input(test_images)
     with torch.no_grad():
         before = (model(test_images).argmax(1) == test_labels).float().mean().item()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -123,8 +126,7 @@ def write_idx_mnist(root, n_train, n_test):
     written = {}
     for split, n, seed in (("train", n_train, 11), ("t10k", n_test, 12)):
         images, labels = tt.synthetic_digits(n, seed)
-        pixels = ((images[:, 0] * tt.MNIST_STD + tt.MNIST_MEAN) * 255).round().clamp(0, 255)
-        pixels = pixels.to(torch.uint8)
+        pixels = images[:, 0]
         (raw / f"{split}-images-idx3-ubyte").write_bytes(
             struct.pack(">IIII", 2051, n, 28, 28) + pixels.numpy().tobytes())
         (raw / f"{split}-labels-idx1-ubyte").write_bytes(
@@ -140,7 +142,12 @@ def test_mnist_idx_files_are_read_by_torchvision(tmp_path):
     images, labels = tt.load_split(args, train=False)
     pixels, expected_labels = written["t10k"]
     assert torch.equal(labels, expected_labels)
-    assert torch.allclose(images[:, 0], (pixels.float() / 255 - tt.MNIST_MEAN) / tt.MNIST_STD)
+    assert torch.equal(images[:, 0], pixels)  # uint8 pixels, as read
+    # On the device they become what torchvision's ToTensor() + Normalize() would give.
+    normalise = torchvision.transforms.Normalize((0.1307,), (0.3081,))
+    reference = torch.stack([normalise(torchvision.transforms.functional.to_tensor(p.numpy()))
+                             for p in pixels[:10]])
+    assert torch.allclose(tt.model_input(images[:10]), reference, atol=1e-6)
 
 
 # ---- layerdrop (in process) ------------------------------------------------------------------
@@ -161,6 +168,7 @@ def test_drop_pattern_depends_only_on_seed_epoch_step():
 
 def test_static_and_dynamic_compute_the_same_function():
     x, y = tt.synthetic_digits(16, 3)
+    x = tt.model_input(x)
     torch.manual_seed(0)
     static = tt.ToyModel("static")
     dynamic = tt.ToyModel("dynamic")
@@ -889,8 +897,8 @@ def test_a_bug_in_the_training_function_exits_1_with_one_last_line(tmp_path):
     # As a user adapting the template would: a model change that breaks the step.
     with open(os.path.join(HERE, "train_tpu.py")) as f:
         source = f.read()
-    broken = source.replace("logits = model(images) if keep is None else model(images, keep)",
-                            "logits = model.head(images)")
+    broken = source.replace("logits = model(x) if keep is None else model(x, keep)",
+                            "logits = model.head(x)")
     assert broken != source
     (tmp_path / "train_tpu.py").write_text(broken)
     env = dict(os.environ, PJRT_DEVICE="CPU")
@@ -951,7 +959,8 @@ def test_training_sees_a_new_order_each_epoch(tmp_path):
     with torch.no_grad():
         for epoch in (1, 2):
             sampler.set_epoch(epoch)
-            expected[epoch] = [F.cross_entropy(model(b["image"]), b["label"]).item()
+            expected[epoch] = [F.cross_entropy(model(tt.model_input(b["image"])),
+                                               b["label"]).item()
                                for b in loader]
     for epoch in (1, 2):
         got = [logged[epoch, s] for s in range(1, steps + 1)]
@@ -1087,13 +1096,13 @@ def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, bat
     torch.manual_seed(0)
     model = tt.ToyModel()
     with torch.no_grad():
-        predicted = model(images).argmax(1)
+        predicted = model(tt.model_input(images)).argmax(1)
     # Two labellings: every prediction right, and one in three right. Sample 0 (the padding
     # repeats it) is right in both, so counting the padding would inflate the accuracy.
     one_in_three = torch.where(torch.arange(n) % 3 == 0, predicted, (predicted + 1) % 10)
     for labels, right in ((predicted, n), (one_in_three, len(range(0, n, 3)))):
         with torch.no_grad():  # the reference: plain PyTorch over the unpadded test set
-            expected_loss = F.cross_entropy(model(images), labels).item()
+            expected_loss = F.cross_entropy(model(tt.model_input(images)), labels).item()
         loss_sum = correct = count = 0.0
         for rank in range(world):
             shard = tt.eval_shard(images, labels, batch, world, rank)
@@ -1336,7 +1345,7 @@ def test_checkpoint_check_compares_the_momentum_too(tmp_path):
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     images, labels = tt.synthetic_digits(32, 5)
-    F.cross_entropy(model(images), labels).backward()
+    F.cross_entropy(model(tt.model_input(images)), labels).backward()
     optimizer.step()  # creates the momentum buffers
     args = tt.parse_args(["--data", "synthetic"])
     path = tmp_path / "checkpoint.pt"
@@ -1540,7 +1549,8 @@ def test_bf16_trains_in_bfloat16_and_passes_the_smoke_verdict(tmp_path):
     batch = next(iter(loader))
     torch.manual_seed(0)
     with torch.no_grad():
-        float32 = F.cross_entropy(tt.ToyModel()(batch["image"]), batch["label"]).item()
+        logits = tt.ToyModel()(tt.model_input(batch["image"]))
+        float32 = F.cross_entropy(logits, batch["label"]).item()
     first = tt.read_history(str(tmp_path / "run"))[0][0]
     assert (first["epoch"], first["step"]) == (1, 1)
     assert 1e-5 < abs(first["loss"] - float32) / float32 < 1e-2
@@ -1561,6 +1571,10 @@ def load_split(args, train):
     images = torch.randn(n, 3, 16, 16, generator=g)
     images[torch.arange(n), labels] += 1.0
     return images, labels
+
+
+def model_input(images):
+    return images  # float already
 
 
 '''
