@@ -1315,21 +1315,29 @@ def test_throughput_leaves_out_the_warmup_steps(monkeypatch):
 
 
 def test_resume_check_compares_the_test_loss(capsys):
-    args = tt.parse_args(["--data", "synthetic"])
-    ckpt = {"test_loss": 0.5, "accuracy": 90.0, "measured_on": "CPU",
-            "config": {"data": "synthetic", "data_dir": "data"}}
-    tt.compare_with_saved(ckpt, 0.5 + 5e-6, 90.0, args, "CPU", "resume check")  # within 1e-5
+    images, labels = tt.synthetic_digits(50, 1)
+    test_set = tt.fingerprint(images, labels)
+    ckpt = {"test_loss": 0.5, "accuracy": 90.0, "measured_on": "CPU", "test_set": test_set}
+    tt.compare_with_saved(ckpt, 0.5 + 5e-6, 90.0, test_set, "CPU", "resume check")  # within 1e-5
     assert "| equal" in capsys.readouterr().out
     # Same accuracy, a loss 1e-3 away: a different model, exit 4.
     with pytest.raises(tt.TrainingFailed) as failed:
-        tt.compare_with_saved(ckpt, 0.5 + 1e-3, 90.0, args, "CPU", "resume check")
+        tt.compare_with_saved(ckpt, 0.5 + 1e-3, 90.0, test_set, "CPU", "resume check")
     assert failed.value.code == 4
     assert "| DIFFERENT" in capsys.readouterr().out
     # Measured on a TPU: the tolerance is 2e-2 either side of it.
     tpu = dict(ckpt, measured_on="TPU")
-    tt.compare_with_saved(tpu, 0.5 + 1e-2, 90.0, args, "CPU", "resume check")
+    tt.compare_with_saved(tpu, 0.5 + 1e-2, 90.0, test_set, "CPU", "resume check")
     with pytest.raises(tt.TrainingFailed):
-        tt.compare_with_saved(tpu, 0.5 + 3e-2, 90.0, args, "CPU", "resume check")
+        tt.compare_with_saved(tpu, 0.5 + 3e-2, 90.0, test_set, "CPU", "resume check")
+    # On another test set (one pixel changed) the losses cannot be compared: said, not failed.
+    images[0, 0, 0, 0] += 1
+    other = tt.fingerprint(images, labels)
+    assert other != test_set
+    tt.compare_with_saved(ckpt, 0.5 + 1e-3, 90.0, other, "CPU", "resume check")
+    assert "skipped: the checkpoint was evaluated on another test set\n" in capsys.readouterr().out
+    tt.compare_with_saved(dict(ckpt, test_set=""), 9.0, 90.0, test_set, "CPU", "resume check")
+    assert "(it names none: saved by an older train_tpu.py)" in capsys.readouterr().out
 
 
 def test_numerics_tolerance_follows_the_device_and_the_matmul_precision():
@@ -1367,10 +1375,11 @@ def test_export_that_fails_its_check_writes_nothing(tmp_path, capsys, monkeypatc
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     args = tt.parse_args(["--data", "synthetic"])
-    loss, accuracy, _ = tt.evaluate_on_cpu(model, args)
+    loss, accuracy, test_set = tt.evaluate_on_cpu(model, args)
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
-    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, loss, accuracy, "CPU"), good)
-    torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, loss + 0.1, accuracy, "CPU"), bad)
+    for path, saved_loss in ((good, loss), (bad, loss + 0.1)):
+        torch.save(tt.checkpoint_dict(model, optimizer, (2, 0), args, saved_loss, accuracy, "CPU",
+                                      test_set=test_set), path)
     out = tmp_path / "model.pt"
     out.write_bytes(b"an earlier export")
     # A checkpoint that does not give its saved test loss: exit 4, the earlier file untouched.
@@ -1380,6 +1389,7 @@ def test_export_that_fails_its_check_writes_nothing(tmp_path, capsys, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["bad.pt", "good.pt", "model.pt"]  # no .tmp left
     # The good one replaces it, and reads back as the same weights.
     assert tt.main(["--resume", str(good), "--export", str(out)]) == 0
+    assert "export check | test loss saved" in capsys.readouterr().out  # compared, not skipped
     exported = torch.load(out, weights_only=True)
     for name, t in model.state_dict().items():
         assert torch.equal(exported["model"][name], t), name

@@ -463,10 +463,10 @@ class Examples(Dataset):
         return len(next(iter(self.fields.values())))
 
     def __getitem__(self, i):
-        if isinstance(i, int):
-            return {name: t[i] for name, t in self.fields.items()}
-        i = torch.as_tensor(i)
-        return {name: t.index_select(0, i) for name, t in self.fields.items()}
+        if isinstance(i, (list, torch.Tensor)):  # a batch of indices
+            i = torch.as_tensor(i)
+            return {name: t.index_select(0, i) for name, t in self.fields.items()}
+        return {name: t[i] for name, t in self.fields.items()}
 
 
 def batches(dataset, batch_sampler, num_workers=0):
@@ -491,9 +491,8 @@ class EpochBatches(torch.utils.data.Sampler):
 
     --steps-per-epoch cuts the epoch's end, and a run resumed mid-epoch skips the samples it
     trained on (same order, so the rest is what the interrupted run would see). A last partial
-    batch is dropped: every step has one shape, so it compiles no extra graph. Slicing the
-    epoch's order as one tensor, not batching it index by index, is what keeps the input above
-    a million samples/s at batch 128 (--benchmark host).
+    batch is dropped: every step has one shape, so it compiles no extra graph. The epoch's order
+    is sliced as one tensor rather than batched index by index in Python (--benchmark host).
     """
 
     def __init__(self, sampler, batch_size, stop=None):
@@ -652,6 +651,7 @@ class Run:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     test: DataLoader  # this replica's evaluation shard
+    test_set: str = ""  # which test set (its fingerprint) the saved test losses are measured on
 
     @property
     def global_batch(self):
@@ -663,7 +663,7 @@ class Run:
         loss, accuracy, counted = measured or evaluate(self.model, self.topo.loader(self.test),
                                                        self.topo.reduce)
         ckpt = checkpoint_dict(self.model, self.optimizer, position, self.args, loss, accuracy,
-                               self.device_kind, self.global_batch)
+                               self.device_kind, self.global_batch, self.test_set)
         path = save_checkpoint(ckpt, self.args.out_dir, self.topo.spmd, self.args.keep_checkpoints)
         return path, loss, accuracy, counted
 
@@ -772,9 +772,10 @@ def run_training(args, device_kind, mesh=None):
     images, labels = load_split(args, train=True)
     loader, sampler = train_loader(images, labels, load_batch, topo.world, topo.rank, args.seed,
                                    args.num_workers, args.steps_per_epoch)
-    shard = eval_shard(*load_split(args, train=False), load_batch, topo.world, topo.rank)
-    run = Run(args, device_kind, topo, model, optimizer,
-              in_order(shard, load_batch))
+    test_images, test_labels = load_split(args, train=False)
+    shard = eval_shard(test_images, test_labels, load_batch, topo.world, topo.rank)
+    run = Run(args, device_kind, topo, model, optimizer, in_order(shard, load_batch),
+              fingerprint(test_images, test_labels))
     if len(loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size}: a global batch of {run.global_batch}"
                          f" is larger than the {len(images)} training samples")
@@ -1140,12 +1141,20 @@ def report_epoch(args, epoch, first, test_loss, accuracy, counted, rate, path, c
 
 
 def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, device_kind,
-                    global_batch=0):
+                    global_batch=0, test_set=""):
     """position: where training continues, (epoch, steps of it already done)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "epoch": position[0], "step": position[1], "global_batch": global_batch,
             "config": {k: getattr(args, k) for k in RESUMED_SETTINGS},
-            "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind}
+            "test_loss": test_loss, "accuracy": accuracy, "measured_on": device_kind,
+            "test_set": test_set}
+
+
+def fingerprint(images, labels):
+    """A short hash of a test set: a checkpoint names the one its test loss was measured on."""
+    digest = hashlib.sha256(images.contiguous().numpy().tobytes())
+    digest.update(labels.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def save_checkpoint(ckpt, out_dir, spmd, keep):
@@ -1394,7 +1403,7 @@ def load_spmd_in_place(run, directory):
         if f"optimizer.state.{i}.momentum_buffer" in saved_keys:
             run.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     ckpt = checkpoint_dict(run.model, run.optimizer, (0, 0), run.args, 0.0, 0.0, "")
-    for key in ("step", "global_batch"):  # saved before mid-epoch checkpoints existed
+    for key in ("step", "global_batch", "test_set"):  # absent from older checkpoints
         if key not in saved_keys:
             del ckpt[key]
     try:
@@ -1441,7 +1450,7 @@ def resume(run, steps):
                          f"{position[0]}, and this run's epochs have {steps} steps; give a "
                          "larger --steps-per-epoch, or resume with the batch it was saved with")
     measured = loss, accuracy, _ = evaluate(run.model, topo.loader(run.test), topo.reduce)
-    compare_with_saved(ckpt, loss, accuracy, args, run.device_kind, "resume check")
+    compare_with_saved(ckpt, loss, accuracy, run.test_set, run.device_kind, "resume check")
     if is_master():
         continue_run_folder(args.out_dir, ckpt)
     if (kind == "spmd") != topo.spmd:  # converted: save it in this mode's format at once
@@ -1455,14 +1464,15 @@ def resume(run, steps):
     return position, accuracy
 
 
-def compare_with_saved(ckpt, loss, accuracy, args, device_kind, label):
-    """The proof a conversion kept the model: the test loss saved with it, reproduced."""
-    config = ckpt.get("config", {})
+def compare_with_saved(ckpt, loss, accuracy, test_set, device_kind, label):
+    """The proof a conversion kept the model: the test loss saved with it, reproduced on the
+    same test set (`test_set`: the fingerprint of the one `loss` was measured on)."""
     if ckpt.get("test_loss") is None or ckpt.get("accuracy") is None:
         print0(f"{label} | skipped: the checkpoint carries no test loss to compare with")
         return
-    if (config.get("data"), config.get("data_dir")) != (args.data, args.data_dir):
-        print0(f"{label} | skipped: the checkpoint was evaluated on other data")
+    if ckpt.get("test_set") != test_set:
+        print0(f"{label} | skipped: the checkpoint was evaluated on another test set" + (
+            "" if ckpt.get("test_set") else " (it names none: saved by an older train_tpu.py)"))
         return
     # On the CPU both evaluations run in float32 and agree to rounding. TPU matmuls default
     # to bfloat16 passes, so a figure measured on a TPU can differ from a reload more than that.
@@ -1485,8 +1495,8 @@ def export_checkpoint(args):
     try:
         model = build_model(args)
         model.load_state_dict(load_file_checkpoint(args.export + ".tmp")["model"])
-        loss, accuracy, _ = evaluate_on_cpu(model, args)
-        compare_with_saved(ckpt, loss, accuracy, args, "CPU", "export check")
+        loss, accuracy, test_set = evaluate_on_cpu(model, args)
+        compare_with_saved(ckpt, loss, accuracy, test_set, "CPU", "export check")
     except BaseException:
         os.remove(args.export + ".tmp")
         raise
@@ -1495,9 +1505,11 @@ def export_checkpoint(args):
 
 
 def evaluate_on_cpu(model, args):
-    """The same evaluation in eager PyTorch on the host: the reference for export checks."""
-    shard = eval_shard(*load_split(args, train=False), 500, 1, 0)
-    return evaluate(model, in_order(shard, 500))
+    """The same evaluation in eager PyTorch on the host, the reference for export checks:
+    (test loss, accuracy, the test set's fingerprint)."""
+    images, labels = load_split(args, train=False)
+    loss, accuracy, _ = evaluate(model, in_order(eval_shard(images, labels, 500, 1, 0), 500))
+    return loss, accuracy, fingerprint(images, labels)
 
 
 # ---- stopping early: SIGTERM, Ctrl-C, a failing replica ---------------------------------------
@@ -1986,8 +1998,9 @@ def check_numerics(verdict, model, images, labels, topo, device_kind, args):
     Compared: logits, loss, and the weight update (not the weights, whose size would hide it)."""
     def one_step(net, x, y):
         before = [p.detach().clone() for p in net.parameters()]
+        x = model_input(x)  # as train_step does
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            logits = net(model_input(x))
+            logits = net(x)
             loss = F.cross_entropy(logits, y)
         loss.backward()
         torch.optim.SGD(net.parameters(), lr=args.lr).step()
