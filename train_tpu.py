@@ -1150,10 +1150,14 @@ def checkpoint_dict(model, optimizer, position, args, test_loss, accuracy, devic
             "test_set": test_set}
 
 
-def fingerprint(images, labels):
-    """A short hash of a test set: a checkpoint names the one its test loss was measured on."""
-    digest = hashlib.sha256(images.contiguous().numpy().tobytes())
-    digest.update(labels.contiguous().numpy().tobytes())
+def fingerprint(*tensors):
+    """A short hash of a test set (its tensors' dtypes, shapes and bytes): a checkpoint names the
+    one its test loss was measured on."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.flatten().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -1470,9 +1474,11 @@ def compare_with_saved(ckpt, loss, accuracy, test_set, device_kind, label):
     if ckpt.get("test_loss") is None or ckpt.get("accuracy") is None:
         print0(f"{label} | skipped: the checkpoint carries no test loss to compare with")
         return
-    if ckpt.get("test_set") != test_set:
-        print0(f"{label} | skipped: the checkpoint was evaluated on another test set" + (
-            "" if ckpt.get("test_set") else " (it names none: saved by an older train_tpu.py)"))
+    if not ckpt.get("test_set"):
+        print0(f"{label} | skipped: the checkpoint names no test set (an older train_tpu.py)")
+        return
+    if ckpt["test_set"] != test_set:
+        print0(f"{label} | skipped: the checkpoint was evaluated on another test set")
         return
     # On the CPU both evaluations run in float32 and agree to rounding. TPU matmuls default
     # to bfloat16 passes, so a figure measured on a TPU can differ from a reload more than that.
