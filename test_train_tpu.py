@@ -148,6 +148,8 @@ def test_mnist_idx_files_are_read_by_torchvision(tmp_path):
     reference = torch.stack([normalise(torchvision.transforms.functional.to_tensor(p.numpy()))
                              for p in pixels[:10]])
     assert torch.allclose(tt.model_input(images[:10]), reference, atol=1e-6)
+    with pytest.raises(TypeError, match="replace it too"):  # float data: not rescaled silently
+        tt.model_input(reference)
 
 
 # ---- layerdrop (in process) ------------------------------------------------------------------
