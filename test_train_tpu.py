@@ -105,6 +105,21 @@ def test_training_shards_are_disjoint_and_cover_the_set():
     assert sorted(seen) == list(range(1000))  # every sample once, across the 4 replicas
 
 
+def test_epoch_batches_slice_the_shuffle_as_batching_it_one_index_at_a_time_would():
+    # The reference: the replica's shuffle from `start` to `stop`, cut into whole batches.
+    data = torch.utils.data.TensorDataset(torch.arange(1003))
+    for world, rank, batch, start, stop in [(1, 0, 8, 0, None), (3, 2, 7, 37, None),
+                                            (2, 1, 16, 100, 320), (4, 0, 5, 260, 100)]:
+        shard = torch.utils.data.DistributedSampler(data, world, rank, seed=3, drop_last=True)
+        sampler = tt.EpochBatches(shard, batch, stop)
+        sampler.set_epoch(2, start=start)
+        order = list(shard)[start:stop]
+        expected = [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+        got = [b.tolist() for b in sampler]
+        assert got == expected and len(sampler) == len(expected), (world, rank, batch, start)
+    assert len(expected) == 0  # start past stop: nothing, and len() says so
+
+
 def test_evaluation_shards_count_every_sample_once():
     n = 1003  # not a multiple of the world size nor of the batch
     images, labels = torch.zeros(n, 1, 28, 28), torch.arange(n)
@@ -1341,7 +1356,7 @@ def test_resume_check_compares_the_test_loss(capsys):
     tt.compare_with_saved(dict(ckpt, test_set=""), 9.0, 90.0, test_set, "CPU", "resume check")
     assert "skipped: the checkpoint names no test set" in capsys.readouterr().out
     # Dtype and shape count, not only the bytes; any dtype can be hashed.
-    assert tt.fingerprint(images.view(50, 784), labels) != test_set
+    assert tt.fingerprint(images.view(50, 784), labels) != other  # the same bytes
     assert tt.fingerprint(images.to(torch.bfloat16).requires_grad_(), labels) != test_set
 
 
