@@ -22,7 +22,7 @@ STRAIGHT = ["--cores", 1, "--data", "synthetic", "--epochs", 2, "--steps-per-epo
             "--save-steps", 20, "--seed", 3]
 LAYERDROP = ["--cores", 1, "--data", "synthetic", "--epochs", 2, "--steps-per-epoch", 4, "--log-steps", 2,
              "--batch-size", 32, "--seed", 2]
-EMULATED_RUN = ["--cores", 1, "--data", "synthetic", "--epochs", 3, "--steps-per-epoch", 5, "--batch-size", 16,
+EMULATED_RUN = ["--cores", 1, "--data", "synthetic", "--epochs", 3, "--steps-per-epoch", 3, "--batch-size", 16,
                 "--lr", 0.1, "--seed", 5]
 
 # ---- running train_tpu.py ---------------------------------------------------------------------------------------
@@ -89,8 +89,9 @@ def runs(tmp_path_factory):
                                   "smoke-spmd", cwd=root, patch=SHARDING),
         "emulated_smoke": lambda: cli("--smoke", "--cores", 1, "--out-dir", "emulated", cwd=root, patch=EMULATED),
         "failing": lambda: cli(*EMULATED_RUN, "--out-dir", "failing", cwd=root, patch=EMULATED + FULL_DISK),
-        "stall": lambda: cli("--smoke", "--cores", 1, "--smoke-timeout", 8, "--out-dir", "stall", cwd=root,
+        "stall": lambda: cli("--smoke", "--cores", 1, "--smoke-timeout", 8, "--out-dir", "stall", cwd=root, timeout=120,
                              patch=EMULATED + "tt.xm.broadcast_master_param = lambda model: time.sleep(3600)"),
+        "tampered": lambda: tampered(root),
         "dynamic": lambda: cli(*LAYERDROP, "--layerdrop", "dynamic", "--max-recompiles", 0, "--out-dir", "dyn",
                                cwd=root),
         "static": lambda: cli(*LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta",
@@ -99,8 +100,9 @@ def runs(tmp_path_factory):
         "child": lambda: interrupt([sys.executable, "-u", "-c", CHILD, "--data", "synthetic", "--epochs", "1",
                                     "--log-steps", "10", "--out-dir", "child"], "epoch 1 step 10/", signal.SIGTERM, root),
     }
+    only = os.environ.get("RUNS_ONLY", ",".join(jobs)).split(",")  # when working on one property
     with ThreadPoolExecutor(max_workers=3) as pool:  # on 2 cores: imports and signals leave some idle
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        futures = {name: pool.submit(job) for name, job in jobs.items() if name in only}
         results = dict({name: future.result() for name, future in futures.items()}, root=root)
     pickle.dump(results, open(root / "runs.pickle", "wb"))
     return results
@@ -420,6 +422,23 @@ def on_device(run, *args):  # the sharding of the first batch of each loader, as
 tt.on_device = on_device
 """
 
+def tampered(root):
+    """A checkpoint that no longer computes the test loss saved with it (a wrong conversion, a corrupted weight)."""
+    torch.manual_seed(0)
+    model = tt.ToyModel()  # untrained: a test loss of about 2.3, not the 0.05 its checkpoint claims
+    saved = {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
+             "epoch": 2, "samples": 0, "device": "CPU", "test_loss": 0.05, "accuracy": 99.0,
+             "config": dict(data="synthetic", data_dir="data", epochs=2, seed=0)}
+    os.makedirs(root / "tampered")
+    torch.save(saved, root / "tampered" / "checkpoint-0002-000000000.pt")
+    return cli("--cores", 1, "--resume", "tampered", "--epochs", 3, cwd=root)
+
+def test_a_checkpoint_that_no_longer_computes_its_saved_test_loss_exits_4(runs):
+    r = runs["tampered"]
+    assert r.returncode == 4 and re.fullmatch(r"train_tpu.py: failed: resume check: tampered/checkpoint-0002-000000000"
+                                              r"\.pt gives test loss 2\.\d+, and was saved at 0\.050000", last_line(r))
+    assert "epoch 2 step" not in r.stdout  # nothing trained
+
 def test_spmd_shards_every_field_of_every_batch_along_the_mesh(runs):
     shardings = [line for line in runs["smoke_spmd"].stdout.splitlines() if line.startswith("SHARDING")]
     assert shardings[0] == "SHARDING {'image': '{devices=[4,1,1,1]0,1,2,3}', 'label': '{devices=[4]0,1,2,3}'}"
@@ -488,30 +507,29 @@ def test_emulated_world_of_two_passes_the_smoke_with_no_fallback_ops(runs):
 
 def test_emulated_replicas_update_as_eager_pytorch_with_averaged_gradients(runs):
     """Replica 0 of 2 trains on its DistributedSampler shard, and xm.optimizer_step averages over the world: on one
-    device, half its gradient. The eager reference does the same by hand, for the first epoch's 5 steps."""
+    device, half its gradient. The eager reference does the same by hand: 3 steps in each of 2 epochs."""
     args = tt.parse_args([str(a) for a in EMULATED_RUN])
     images, labels = tt.load_split(args, train=True)
     shard = torch.utils.data.DistributedSampler(range(len(labels)), 2, 0, seed=5, drop_last=True)
-    shard.set_epoch(1)
-    order = list(shard)
     torch.manual_seed(5)
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(5):
-        batch = order[step * 16:(step + 1) * 16]
+    for epoch, step in [(e, s) for e in (1, 2) for s in range(3)]:
+        shard.set_epoch(epoch)  # a new shuffle each epoch
+        batch = list(shard)[step * 16:(step + 1) * 16]
         optimizer.zero_grad()
         F.cross_entropy(model(tt.model_input(images[batch])), labels[batch]).backward()
         for p in model.parameters():
             p.grad /= 2  # the all-reduce's mean over the world of two
         optimizer.step()
-    trained = final(runs["root"] / "failing")["model"]  # saved after epoch 1 (the next save failed)
+    trained = final(runs["root"] / "failing")["model"]  # saved after epoch 2 (the next save failed)
     for name, w in model.state_dict().items():
         assert torch.allclose(trained[name], w, atol=1e-5), name
 
 FULL_DISK = """
 real = tt.xm.save
-def save(obj, path, **kw):  # the master's disk fills up half-way through epoch 2's checkpoint
-    if obj["epoch"] == 3:
+def save(obj, path, **kw):  # the master's disk fills up half-way through epoch 3's checkpoint
+    if obj["epoch"] == 4:
         open(path, "wb").write(b"half a checkpoint")
         raise OSError(28, "No space left on device")
     real(obj, path, **kw)
@@ -523,8 +541,8 @@ def test_a_failing_replica_ends_the_run_with_its_line_and_the_last_good_checkpoi
     assert r.returncode == 1 and last_line(r) == (
         "train_tpu.py: replica 0: failed: OSError: [Errno 28] No space left on device (traceback above)")
     out = runs["root"] / "failing"
-    assert tt.find_checkpoint(str(out)).endswith("checkpoint-0002-000000000.pt")  # not the torn .tmp
-    assert final(out)["epoch"] == 2
+    assert tt.find_checkpoint(str(out)).endswith("checkpoint-0003-000000000.pt")  # not the torn one
+    assert final(out)["epoch"] == 3
 
 CHILD = """
 import sys, train_tpu as tt
