@@ -1,14 +1,12 @@
-"""train_tpu.py: the reference PyTorch/XLA trainer. It trains the article's ToyModel CNN on MNIST on every TPU core:
-xmp.spawn starts a replica per core, each reads its DistributedSampler shard through MpDeviceLoader and steps with
-xm.optimizer_step, and the master saves with xm.save. With --spmd, one process shards each batch over every device.
+"""train_tpu.py: the reference PyTorch/XLA trainer. It trains the article's ToyModel CNN on MNIST on every TPU core
+(xmp.spawn; each replica's DistributedSampler shard through MpDeviceLoader; xm.optimizer_step; xm.save), or with --spmd
+from one process. The training path comes first, in the order a run executes; the instruments it calls follow. Your
+own model takes two edits, to the sections marked "your own". README.md has the rest.
 
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 0 or 5
   python train_tpu.py --spmd --resume runs/<run>   # continue a run, converting its checkpoint
-  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
-
-The training path comes first, in the order a run executes; the instruments it calls follow. Your own model takes two
-edits, to the sections marked "your own". README.md has the rest."""
+  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 import argparse, contextlib, itertools, json, math, multiprocessing, os, shutil, signal, socket, sys, tempfile
 import threading, time, traceback, types, warnings
 
@@ -184,7 +182,7 @@ def train_epoch(run, loader, epoch, skip, last):
     run.log.start(epoch, skip, last)
     step = skip
     for step, batch in enumerate(on_device(run, loader, skip, last), skip + 1):
-        run.log.losses.append(train_step(run, batch, layerdrop_keep(args, epoch, step, run.device)))
+        run.log.pending.append(train_step(run, batch, layerdrop_keep(args, epoch, step, run.device)))
         saving = args.save_steps and step % args.save_steps == 0
         if step % args.log_steps == 0 or step in (run.log.warm, last) or saving:
             xm.add_step_closure(run.log.boundary, args=(step,))  # runs once this step's graph launches
@@ -206,7 +204,8 @@ def train(args, spmd=False):
         xm.broadcast_master_param(run.model)
     # foreach: one traced op updates every parameter (an op per parameter took a third of the host's step time)
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
-    loader, run.test = train_loader(run, *load_split(args, train=True)), test_loader(run, *load_split(args, train=False))
+    loader = train_loader(run, *load_split(args, train=True))
+    run.test = test_loader(run, *load_split(args, train=False))
     if not (steps := min(len(loader), args.steps_per_epoch or len(loader))):
         raise UsageError(f"--batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run, steps)
@@ -311,8 +310,7 @@ def check_environment(args):  # the cores to train on; nothing here starts the r
                          + ("all of them with --spmd" if args.spmd else f"--cores 1 or {have}"))
     return cores
 def prepare_out_dir(args):
-    """Takes --resume's settings. Every host makes --out-dir, as ordinal 0, the writer, need not be on host 0
-    (torch_xla/runtime.py). A fresh run never writes into another run's folder."""
+    """--resume's settings; --out-dir, made by every host (ordinal 0 need not be on host 0: torch_xla/runtime.py)."""
     source = args.resume and os.path.dirname(os.path.abspath(find_checkpoint(args.resume)))
     if args.resume:
         saved = read_checkpoint(find_checkpoint(args.resume))["config"]
@@ -380,11 +378,11 @@ def quietly():  # torchvision's download attempts and DCP's notices, which say n
 
 # ---- logging: log lines, metrics.jsonl, TensorBoard, compiles ----------------------------------------------------
 class Log:
-    """One replica's losses and compiles; the master prints them, and writes OUT/metrics.jsonl and TensorBoard scalars.
-    Losses stay on the device until a save or the epoch's end reads them (a deliberate wait). Each log boundary prints
-    the previous boundary's line, whose loss the device has long finished: the loop never waits for one."""
+    """A replica's losses and compiles, printed and written to OUT/metrics.jsonl and TensorBoard by the master. Each log
+    boundary prints the previous one's loss, long finished: the loop never waits. Saves and epoch ends read the rest."""
     def __init__(self, run, steps):
-        self.run, self.steps, self.history, self.warm_total, self.accuracy, self.board = run, steps, [], None, None, None
+        self.run, self.steps, self.history, self.warm_total, self.accuracy = run, steps, [], None, None
+        self.board = None
         if is_master():
             from torch.utils.tensorboard import SummaryWriter
             self.board = SummaryWriter(run.args.out_dir)
@@ -392,19 +390,23 @@ class Log:
         PROCESS["stage"] = "training"  # (the smoke deadline's name for it)
     def start(self, epoch, skip, last):
         self.epoch, self.skip, self.warm, self.last = epoch, skip, skip + WARMUP_STEPS, last
-        self.losses, self.read, self.times, self.compiles = [], 0, {}, compiles()[0]
+        self.pending, self.values, self.times, self.compiles = [], {}, {}, compiles()[0]
     def boundary(self, step):  # a step closure: runs once this step's graph has launched
-        if self.times:
+        if self.times:  # the previous boundary's window: long finished on the device, so no wait
+            self.flush(upto=max(self.times))
             self.line(max(self.times))
         self.times[step] = time.perf_counter()
     def line(self, step):
-        print0(f"epoch {self.epoch} step {step}/{self.last} | loss {float(self.losses[step - self.skip - 1].cpu()):.4f}")
-    def flush(self, end=False):  # reads the losses not read yet (a deliberate wait) into the history and the files
-        values = [float(t.cpu()) for t in self.losses[self.read:]]
+        print0(f"epoch {self.epoch} step {step}/{self.last} | loss {self.values[step]:.4f}")
+    def flush(self, upto=None, end=False):  # reads losses up to step `upto` (all: a deliberate wait), and frees them
+        first = self.skip + len(self.values) + 1  # (a live tensor per step would slow every graph cut a little more)
+        n = len(self.pending) if upto is None else max(0, upto - first + 1)
+        rows = [dict(epoch=self.epoch, step=first + i, loss=float(t.cpu())) for i, t in enumerate(self.pending[:n])]
+        del self.pending[:n]
         if end:  # the epoch's last step has finished on the device: its time, for samples/s
             self.times[self.last] = time.perf_counter()
-        rows = [dict(epoch=self.epoch, step=self.skip + self.read + i + 1, loss=v) for i, v in enumerate(values)]
-        self.read, self.history = len(self.losses), self.history + values
+        self.values.update((r["step"], r["loss"]) for r in rows)
+        self.history += [r["loss"] for r in rows]
         for r in self.write(rows):
             self.board.add_scalar("train/loss", r["loss"], (r["epoch"] - 1) * self.steps + r["step"])
     def write(self, rows):  # the master appends to OUT/metrics.jsonl; returns what it wrote
@@ -464,7 +466,7 @@ def save(run, position, measured=None):  # at `position` (epoch, steps of it don
     ckpt = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "epoch": position[0],
             "samples": samples, "device": args.kind, "test_loss": loss, "accuracy": accuracy,
             "config": {k: getattr(args, k) for k in RESUMED}}
-    path = os.path.join(args.out_dir, f"checkpoint-{position[0]:04d}-{samples:09d}") + (".pt" if run.mesh is None else "")
+    path = os.path.join(args.out_dir, f"checkpoint-{position[0]:04d}-{samples:09d}" + ".pt" * (run.mesh is None))
     if run.mesh is None:
         xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # every replica syncs; the master writes
     else:
@@ -536,7 +538,7 @@ def resume(run, steps):
                                  f"at {saved:.6f}", 4)
     if os.path.isdir(path) != (run.mesh is not None):  # the other format: convert it now
         print0(f"resume | converted, saved as {save(run, (ckpt['epoch'], done), measured)}")
-    print0(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}" + f", after step {done}" * bool(done))
+    print0(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
     return ckpt["epoch"], done
 
 # ---- stopping early: SIGTERM, Ctrl-C, a failing replica -----------------------------------------------------------
@@ -617,7 +619,8 @@ def deadline_passed():  # the stage then running FAILs, the master prints the ve
     line = f"{stage} did not finish within --smoke-timeout"
     try:  # the master's table (before the runtime is up, every process's)
         if args and is_master():
-            publish(args, (PROCESS["checks"] or []) + [dict(name=stage, passed=False, figure=f"{line} {args.smoke_timeout:g} s")])
+            failed = dict(name=stage, passed=False, figure=f"{line} {args.smoke_timeout:g} s")
+            publish(args, (PROCESS["checks"] or []) + [failed])
     finally:
         end_this_replica(5, f"failed: smoke verdict FAIL: {line}")  # xmp.spawn's pool then ends the other replicas
 def finish(run):  # the run's end: the smoke verdict (exit 5), or --target-accuracy (exit 21)
@@ -635,21 +638,22 @@ def smoke_verdict(run):
     if is_master():
         PROCESS["checks"] = checks  # for the deadline's table
     before, after = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    for name, test in (("devices", check_devices), ("numerics", check_numerics), ("checkpoint", check_checkpoint),
-                       ("compilation", lambda run: (run.log.recompiles <= allowed and ops == "none", f"{run.log.recompiles}"
-                        f" graphs compiled after warm-up (allowed {allowed}), CPU fallback ops: {ops}")),
-                       ("learning", lambda run: (after < before and accuracy >= args.target_accuracy, f"loss {before:.3f}"
-                        f" -> {after:.3f} (first and last {k} steps), test accuracy {accuracy:.2f}% (target "
-                        f"{args.target_accuracy:g}%)"))):
-        PROCESS["stage"] = name
+    for name, test in (("devices", check_devices), ("numerics", check_numerics), ("checkpoint", check_checkpoint)):
+        PROCESS["stage"] = name  # (the deadline's name for what runs)
         checks.append(dict(zip(("name", "passed", "figure"), (name, *test(run)))))
+    checks += [dict(name="compilation", passed=run.log.recompiles <= allowed and ops == "none",
+                    figure=f"{run.log.recompiles} graphs compiled after warm-up (allowed {allowed}), CPU fallback ops: "
+                    f"{ops}"),
+               dict(name="learning", passed=after < before and accuracy >= args.target_accuracy, figure=f"loss "
+                    f"{before:.3f} -> {after:.3f} (first and last {k} steps), test accuracy {accuracy:.2f}% (target "
+                    f"{args.target_accuracy:g}%)")]
     combine_replicas(run, checks)
     if is_master():
         publish(args, checks)
     if failed := [c["name"] for c in checks if c["passed"] is False]:
         raise TrainingFailed(f"failed: smoke verdict FAIL: {', '.join(failed)}", 5)
 def check_devices(run):  # the devices found, against what the PCI bus and the TPU metadata say the slice holds
-    found = xr.global_runtime_device_count()  # (world_size() equals this by construction: it cannot show a missing chip)
+    found = xr.global_runtime_device_count()  # (world_size() equals it by construction: it cannot see a missing chip)
     if run.args.kind != "TPU" or run.args.cores == 1:
         return None, f"{found} {run.args.kind} device(s); skipped off a TPU, or at --cores 1"
     from torch_xla._internal import tpu
