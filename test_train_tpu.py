@@ -92,6 +92,7 @@ def runs(tmp_path_factory):
         "stall": lambda: cli("--smoke", "--cores", 1, "--smoke-timeout", 8, "--out-dir", "stall", cwd=root, timeout=120,
                              patch=EMULATED + "tt.xm.broadcast_master_param = lambda model: time.sleep(3600)"),
         "tampered": lambda: tampered(root),
+        "busy": lambda: cli("--cores", 1, "--data", "synthetic", "--out-dir", "busy", cwd=root, patch=BUSY),
         "dynamic": lambda: cli(*LAYERDROP, "--layerdrop", "dynamic", "--max-recompiles", 0, "--out-dir", "dyn",
                                cwd=root),
         "static": lambda: cli(*LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta",
@@ -438,6 +439,18 @@ def test_a_checkpoint_that_no_longer_computes_its_saved_test_loss_exits_4(runs):
     assert r.returncode == 4 and re.fullmatch(r"train_tpu.py: failed: resume check: tampered/checkpoint-0002-000000000"
                                               r"\.pt gives test loss 2\.\d+, and was saved at 0\.050000", last_line(r))
     assert "epoch 2 step" not in r.stdout  # nothing trained
+
+BUSY = """
+def device():  # what a TPU held by another process raises when this one's runtime starts (libtpu's words)
+    raise RuntimeError("TPU initialization failed: The TPU is already in use by process with pid 4242.\\nlsof -w ...")
+torch_xla.device = device
+"""
+
+def test_a_runtime_that_cannot_start_exits_2_with_its_first_line(runs):
+    r = runs["busy"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "train_tpu.py: error: the CPU runtime did not start: TPU initialization failed: The TPU is already in use by "
+        "process with pid 4242."]
 
 def test_spmd_shards_every_field_of_every_batch_along_the_mesh(runs):
     shardings = [line for line in runs["smoke_spmd"].stdout.splitlines() if line.startswith("SHARDING")]

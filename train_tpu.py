@@ -237,12 +237,10 @@ def launch(args):  # refuses what it can before any device starts, then runs the
     prepare_out_dir(args)  # --resume's settings, --out-dir
     prepare_data(args)
     with run_files(args):  # the stop and failure files, the signal handlers, the smoke deadline
-        if args.spmd:
-            return train(args, spmd=True)
         try:  # nprocs=1: one device, in this process; None: a process per TPU chip (docs: learn/pjrt)
-            xmp.spawn(_mp_fn, args=(args,), nprocs=1 if cores == 1 else None)
+            train(args, spmd=True) if args.spmd else xmp.spawn(_mp_fn, args=(args,), nprocs=1 if cores == 1 else None)
         except Exception as e:
-            raise replica_failure() or e
+            raise replica_failure() or runtime_failure(args, e) or e
 
 def _mp_fn(index, args):  # xmp.spawn's entry, once per replica
     try:
@@ -329,18 +327,15 @@ def prepare_out_dir(args):
 def start_replica(args, spmd):  # starts the runtime: this replica's device, and its place in the run
     PROCESS.update(stage="devices", args=args)  # what the smoke deadline names
     run = types.SimpleNamespace(args=args, mesh=None, world=1, rank=0)
-    try:
-        if spmd:
-            xr.use_spmd()  # before the runtime starts: every tensor is one global tensor
-            run.devices = xr.global_runtime_device_count()
-            run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
-        else:
-            run.world, run.rank = xr.world_size(), xr.global_ordinal()
-            run.devices = run.world
-        run.device = torch_xla.device()
-    except Exception as e:  # a TPU held by another process, say: libtpu's first line names it
-        raise UsageError(f"the {args.kind} runtime did not start: {str(e).strip().splitlines()[0]}")
-    PROCESS.update(world=run.world, rank=run.rank)
+    if spmd:
+        xr.use_spmd()  # before the runtime starts: every tensor is one global tensor
+        run.devices = xr.global_runtime_device_count()
+        run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
+    else:
+        run.world, run.rank = xr.world_size(), xr.global_ordinal()
+        run.devices = run.world
+    run.device = torch_xla.device()
+    PROCESS.update(world=run.world, rank=run.rank)  # the runtime is up
     run.global_batch = args.batch_size * run.devices  # samples per step, over every device
     run.load_batch = run.global_batch if spmd else args.batch_size  # what this process loads per step
     return run
@@ -546,14 +541,14 @@ def resume(run, steps):
 # thread. So every process of a run (the launcher, and each replica process as it imports this file: see the end)
 # takes SIGTERM and Ctrl-C in its main thread and writes the stop file, which the replicas read at each log boundary,
 # agreeing to stop together. A failing replica writes its line and exit code to the failure file, for the launcher.
-PROCESS = {"stage": None, "checks": None, "args": None, "world": 1, "rank": 0, "timers": []}
+PROCESS = {"stage": None, "checks": None, "args": None, "world": 1, "rank": None, "timers": []}
 @contextlib.contextmanager
 def run_files(args):
     """The stop and failure files, named in the environment that replicas inherit, the signal handlers, and with
     --smoke the deadline, which starts before any runtime does. None of them outlives the run (a notebook's might)."""
     os.environ["TRAIN_TPU_FILES"] = folder = tempfile.mkdtemp(prefix="train_tpu-")
     os.environ["TRAIN_TPU_DEADLINE"] = str(time.time() + args.smoke_timeout if args.smoke else 0)
-    PROCESS.update(timers=[], checks=None, stage=None)
+    PROCESS.update(timers=[], checks=None, stage=None, rank=None, world=1)
     handlers = take_signals()
     start_deadline()
     try:
@@ -601,6 +596,9 @@ def end_this_replica(code, line):
         print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
+def runtime_failure(args, e):  # no replica knew its place: the runtime did not start (a TPU held by another, say)
+    if PROCESS["rank"] is None:
+        return UsageError(f"the {args.kind} runtime did not start: {str(e).strip().splitlines()[0]}")
 def replica_failure():  # in the launcher, once xmp.spawn has raised: the first failing replica's line and code
     if os.path.exists(run_file("failure")):
         with open(run_file("failure")) as f:
