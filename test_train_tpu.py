@@ -296,6 +296,14 @@ def test_on_a_pod_slice_one_host_modes_are_refused_and_out_dir_is_needed(pod, tm
     tt.prepare_out_dir(args)
     assert os.path.isdir(args.out_dir)
 
+def test_a_tpu_vm_whose_metadata_cannot_be_read_exits_2(pod, monkeypatch):
+    from torch_xla._internal import tpu
+    def unreachable():
+        raise ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max retries\n...")
+    monkeypatch.setattr(tpu, "num_tpu_workers", unreachable)
+    with pytest.raises(tt.UsageError, match=r"cannot read this TPU VM's slice from its metadata: HTTPConnectionPool.*retries$"):
+        tt.check_environment(tt.parse_args([]))
+
 def test_the_devices_check_compares_with_what_the_slice_should_have(pod, monkeypatch):
     run = tt.types.SimpleNamespace(args=tt.parse_args([]))
     run.args.kind = "TPU"

@@ -293,7 +293,10 @@ def check_environment(args):  # the cores to train on; nothing here starts the r
     args.kind = os.environ.setdefault("PJRT_DEVICE", "TPU" if chips else "CPU")
     if args.kind not in ("TPU", "CPU") or (args.kind == "TPU" and not chips):
         raise UsageError(f"PJRT_DEVICE={args.kind}, and this machine has no such device: unset it to use the CPU")
-    args.hosts = tpu.num_tpu_workers() if args.kind == "TPU" else 1
+    try:  # the TPU VM's metadata server
+        args.hosts = tpu.num_tpu_workers() if args.kind == "TPU" else 1
+    except Exception as e:
+        raise UsageError(f"cannot read this TPU VM's slice from its metadata: {str(e).strip().splitlines()[0]}")
     have = tpu.num_available_devices() if chips else int(os.environ.get("CPU_NUM_DEVICES", 1))
     cores = args.cores or have
     if args.hosts > 1 and (args.spmd or cores == 1):
