@@ -1,4 +1,4 @@
-"""train_tpu.py: the reference PyTorch/XLA trainer. It trains the article's ToyModel CNN on MNIST on every TPU core
+"""train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN (ToyModel) on MNIST on every TPU core
 (xmp.spawn; each replica's DistributedSampler shard through MpDeviceLoader; xm.optimizer_step; xm.save), or with --spmd
 from one process. The training path comes first, in the order a run executes; the instruments it calls follow. Your
 own model takes two edits, to the sections marked "your own". README.md has the rest.
@@ -6,9 +6,28 @@ own model takes two edits, to the sections marked "your own". README.md has the 
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 0 or 5
   python train_tpu.py --spmd --resume runs/<run>   # continue a run, converting its checkpoint
-  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
-import argparse, contextlib, itertools, json, math, multiprocessing, os, shutil, signal, socket, sys, tempfile
-import threading, time, traceback, types, warnings
+  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
+"""
+
+import argparse
+import collections
+import contextlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+import warnings
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
@@ -16,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, StackDataset
 
-XLA_IMPORT_ERROR = None
+USER_DEVICE = os.environ.get("PJRT_DEVICE")  # read before `import torch_xla`, which sets it when unset
 try:
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -25,55 +44,68 @@ try:
     import torch_xla.distributed.spmd as xs
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.runtime as xr
-except ImportError as e:  # a torch_xla built for another torch: check_environment says so, in one line
+    from torch_xla._internal import tpu
+
+    XLA_IMPORT_ERROR = None
+except Exception as e:  # a torch_xla built for another torch; on a TPU VM, its metadata server unreachable
     XLA_IMPORT_ERROR = e
 
 SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # --smoke's presets
 WARMUP_STEPS = 2  # each epoch's first steps compile, or fill the pipeline: left out of samples/s
 KEEP_CHECKPOINTS = 2  # the newest stay in the run folder
 STOP_GRACE = 25  # seconds from a stop signal to a forced exit: a preempted TPU VM has about 30
+COLLECTIVE_DTYPES = (torch.float32, torch.bfloat16)  # TPUs all-reduce no int64 (pytorch/xla#1952)
+
 
 # ---- flags --------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add, count, whole = p.add_argument, checked(int, lambda v: v >= 1, ">= 1"), checked(int, lambda v: v >= 0, ">= 0")
+    one_or_more = in_range(int, ">= 1", lambda v: v >= 1)
+    zero_or_more = in_range(int, ">= 0", lambda v: v >= 0)
     # devices and data
-    add("--cores", type=count, help="devices to train on: 1, or every one (default)")
-    add("--spmd", action="store_true", help="one process shards each batch over every device")
-    add("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
-    add("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
+    p.add_argument("--cores", type=one_or_more, help="1: one device, in this process; default: every device")
+    p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
+    p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
+    p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
     # training
-    add("--epochs", type=count, default=3)
-    add("--batch-size", type=count, default=128, help="samples per device per step")
-    add("--lr", type=checked(float, lambda v: v > 0, "> 0"), default=0.05, help="as given: not scaled by the devices")
-    add("--momentum", type=checked(float, lambda v: 0 <= v < 1, "in [0, 1)"), default=0.9)
-    add("--steps-per-epoch", type=count, help="cut every epoch after N steps")
-    add("--seed", type=whole, default=0, help="seeds the weights, the shuffles and layerdrop's coin flips")
-    add("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
-    add("--target-accuracy", type=checked(float, lambda v: v >= 0, ">= 0"), default=0.0, help="exit 21 below it (%%)")
-    # the article's lesson: a graph that changes recompiles
-    add("--layerdrop", choices=("off", "dynamic", "static"), default="off",
-        help="dynamic: host coin flips, a graph per count kept; static: the same drops in one graph")
-    add("--layerdrop-prob", type=checked(float, lambda v: 0 <= v <= 1, "in [0, 1]"), default=0.5)
-    add("--max-recompiles", type=whole, help="exit 3 if more graphs compile after the first epoch")
+    p.add_argument("--epochs", type=one_or_more, default=3)
+    p.add_argument("--batch-size", type=one_or_more, default=128, help="samples per device per step")
+    p.add_argument("--lr", type=in_range(float, "> 0", lambda v: v > 0), default=0.05, help="not scaled by devices")
+    p.add_argument("--momentum", type=in_range(float, "in [0, 1)", lambda v: 0 <= v < 1), default=0.9)
+    p.add_argument("--steps-per-epoch", type=one_or_more, help="cut every epoch after N steps")
+    p.add_argument("--seed", type=zero_or_more, default=0, help="seeds the weights, shuffles and layerdrop's coins")
+    p.add_argument("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
+    p.add_argument(
+        "--target-accuracy", type=in_range(float, ">= 0", lambda v: v >= 0), default=0.0, help="exit 21 below"
+    )
+    # layerdrop: a graph that changes from step to step recompiles
+    p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help=LAYERDROP_HELP)
+    p.add_argument("--layerdrop-prob", type=in_range(float, "in [0, 1]", lambda v: 0 <= v <= 1), default=0.5)
+    p.add_argument("--max-recompiles", type=zero_or_more, help="exit 3 if more graphs compile after the first epoch")
     # the smoke test
-    add("--smoke", action="store_true", help="a short run ending in a PASS/FAIL verdict, exit 0 or 5; presets: "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()))
-    add("--smoke-timeout", type=checked(float, lambda v: v > 0, "> 0"), default=900.0,
-        help="seconds from before any device starts; then the smoke stage running FAILs")
+    presets = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in SMOKE.items())
+    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 0 or 5; presets: {presets}")
+    p.add_argument("--smoke-timeout", type=in_range(float, "> 0", lambda v: v > 0), default=900.0, help=DEADLINE_HELP)
     # logging, checkpoints, preemption
-    add("--log-steps", type=count, default=20, help="log every N steps")
-    add("--out-dir", help="the run folder (default: runs/<time>, or the resumed run's)")
-    add("--save-steps", type=count, help="also checkpoint every N steps")
-    add("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
+    p.add_argument("--log-steps", type=one_or_more, default=20, help="log every N steps")
+    p.add_argument("--out-dir", help="the run folder (default: runs/<time>, or the resumed run's)")
+    p.add_argument("--save-steps", type=one_or_more, help="also checkpoint every N steps")
+    p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
     if "--smoke" in argv:
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
-    args.given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     if args.smoke and args.resume:
-        raise UsageError("--smoke checks a fresh run: leave out --resume")
+        raise Exit(2, "error: --smoke checks a fresh run: leave out --resume")
+    if args.resume:  # a resumed run takes the settings saved with its checkpoint, unless given now
+        p.set_defaults(**read_checkpoint(find_checkpoint(args.resume))["config"])
+        args = p.parse_args(argv)
     return args
+
+
+LAYERDROP_HELP = "dynamic: coin flips on the host, a graph per count kept; static: the same drops in one graph"
+DEADLINE_HELP = "seconds from before any device starts; then the smoke stage running FAILs"
+
 
 # ---- data: your own goes here (edit 1 of 2) -----------------------------------------------------------------------
 def load_split(args, train):
@@ -81,54 +113,71 @@ def load_split(args, train):
     if args.data == "synthetic":
         return synthetic_digits(30_000 if train else 5_000, seed=1234 + train)
     import torchvision
+
     mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
     return mnist.data.unsqueeze(1), mnist.targets  # read once: no PIL image, no transform per sample
 
+
 def model_input(images):
-    """In the step, on the device: uint8 pixels (a quarter of float32's bytes through the host) scaled as
+    """In the step, on the device: uint8 pixels (a quarter of float32's bytes through the host), scaled as
     ToTensor() and Normalize() would."""
     if images.dtype != torch.uint8:  # load_split replaced and this not: never rescale floats silently
         raise TypeError(f"model_input expects uint8 pixels, got {images.dtype}: replace it too")
     return (images.float() / 255 - 0.1307) / 0.3081
 
+
 def prepare_data(args):  # once, before any replica starts: replicas never race to download
-    if args.data == "mnist":
-        import torchvision
-        try:
-            with quietly():  # torchvision prints every attempt
-                for train in (True, False):
-                    torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
-        except Exception as e:
-            raise UsageError(f"MNIST is not in --data-dir {args.data_dir}, and its download failed "
-                             f"({type(e).__name__}): copy it there, or use --data synthetic")
+    if args.data != "mnist":
+        return
+    import torchvision
+
+    try:
+        with quietly():  # torchvision prints every attempt
+            for train in (True, False):
+                torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
+    except Exception as e:
+        why = f"MNIST is not in --data-dir {args.data_dir}, and its download failed ({type(e).__name__})"
+        raise Exit(2, f"error: {why}: copy it there, or use --data synthetic") from e
+
 
 # ---- model: your own goes here (edit 2 of 2) ----------------------------------------------------------------------
 class ToyModel(nn.Module):
-    """The article's ToyModel (with layerdrop, its second one: a shared fc2 applied up to 50 times). It returns
-    logits, as F.cross_entropy applies the softmax that the article ends with."""
+    """A small CNN that returns logits (F.cross_entropy applies the softmax). With layerdrop, a shared fc2 follows fc1
+    up to 50 times, each application dropped on a coin flip."""
 
     def __init__(self, layerdrop="off"):
         super().__init__()
-        self.layerdrop, self.conv1, self.mp1 = layerdrop, nn.Conv2d(1, 10, 5), nn.MaxPool2d(2)
-        self.fc1 = nn.Linear(1440, 10 if layerdrop == "off" else 20)
-        if layerdrop != "off":
-            self.fc2, self.fc3 = nn.Linear(20, 20), nn.Linear(20, 10)
+        self.layerdrop = layerdrop
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.pool = nn.MaxPool2d(2)
+        if layerdrop == "off":
+            self.fc1 = nn.Linear(1440, 10)
+        else:
+            self.fc1 = nn.Linear(1440, 20)
+            self.fc2 = nn.Linear(20, 20)
+            self.fc3 = nn.Linear(20, 10)
 
     def forward(self, x, keep=None):
-        # keep[i]: does fc2's i-th application run (None: all do)? dynamic: Python bools, so the traced graph differs
-        # with the count kept, and XLA compiles one per count; static: torch.where chooses inside one graph.
-        x = self.fc1(torch.flatten(self.mp1(F.relu(self.conv1(x))), 1))
+        x = F.relu(self.conv1(x))
+        x = self.pool(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
         if self.layerdrop == "off":
             return x
-        for i in range(50):
-            if keep is None or (self.layerdrop == "dynamic" and keep[i]):
+        for i in range(50):  # keep[i]: does fc2's i-th application run? (None: every one does)
+            if keep is None:
                 x = self.fc2(x)
-            elif self.layerdrop == "static":
+            elif self.layerdrop == "dynamic":  # a Python bool: the traced graph, so XLA compiles one per count kept
+                if keep[i]:
+                    x = self.fc2(x)
+            else:  # static: a tensor of bools, chosen inside one graph
                 x = torch.where(keep[i], self.fc2(x), x)
         return self.fc3(x)
 
+
 def build_model(args):
     return ToyModel(args.layerdrop)
+
 
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader ----------------------------------------------
 def train_loader(run, images, labels):
@@ -137,12 +186,16 @@ def train_loader(run, images, labels):
     shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
     return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None)
 
+
 def on_device(run, loader, skip=0, stop=None):
     """MpDeviceLoader copies the next batches (the loader's skip to stop) to the device while a step runs, and cuts the
     step's graph as it hands each out. Under SPMD it shards every field along the batch (docs: perf/spmd_advanced)."""
-    spec = None if run.mesh is None else {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1))
-                                          for name, t in loader.dataset.datasets.items()}
+    spec = None
+    if run.mesh is not None:
+        fields = loader.dataset.datasets.items()
+        spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
+
 
 # ---- the step and evaluation --------------------------------------------------------------------------------------
 def train_step(run, batch, keep):
@@ -150,7 +203,8 @@ def train_step(run, batch, keep):
     run.optimizer.zero_grad()
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=run.args.bf16):  # --bf16 (docs: perf/amp)
         x = model_input(batch["image"])
-        loss = F.cross_entropy(run.model(x) if keep is None else run.model(x, keep), batch["label"])
+        logits = run.model(x) if keep is None else run.model(x, keep)
+        loss = F.cross_entropy(logits, batch["label"])
     loss.backward()
     if run.mesh is None:
         xm.optimizer_step(run.optimizer)  # all-reduce (average) the gradients over the replicas, then step
@@ -158,8 +212,12 @@ def train_step(run, batch, keep):
         run.optimizer.step()  # one program over every device: GSPMD inserts the all-reduce itself
     return loss.detach()
 
+
+TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
+
+
 def evaluate(run):
-    """(test loss, accuracy %, samples counted), each test sample counted once, summed on the device."""
+    """The test loss and accuracy (%), each test sample counted once over the replicas, summed on the device."""
     run.model.eval()
     totals = torch.zeros(3, device=run.device)
     with torch.no_grad():
@@ -172,55 +230,75 @@ def evaluate(run):
     if run.world > 1:
         totals = xm.all_reduce(xm.REDUCE_SUM, totals)
     loss, hits, count = totals.cpu().double().tolist()  # a deliberate wait, once per evaluation
-    return loss / count, 100 * hits / count, int(count)
+    return TestResult(loss / count, 100 * hits / count, int(count))
+
 
 # ---- the epochs: steps with logging, then evaluation and the save -------------------------------------------------
 def train_epoch(run, loader, epoch, skip, last):
     """The epoch's steps after the first `skip` (those a resumed run did), to `last`. The loop never waits for the
-    device."""
+    device, but at a stop or a save."""
     args = run.args
-    run.log.start(epoch, skip, last)
+    timed_from = skip + WARMUP_STEPS
+    run.log.start_epoch(epoch, timed_from, last)
     step = skip
     for step, batch in enumerate(on_device(run, loader, skip, last), skip + 1):
-        run.log.pending.append(train_step(run, batch, layerdrop_keep(args, epoch, step, run.device)))
-        saving = args.save_steps and step % args.save_steps == 0
-        if step % args.log_steps == 0 or step in (run.log.warm, last) or saving:
-            xm.add_step_closure(run.log.boundary, args=(step,))  # runs once this step's graph launches
-            signum = agree_to_stop(run) if step < last else 0
-            if signum or saving:  # (the epoch's end saves anyway)
-                save(run, (epoch, step), None if signum else evaluate(run))  # a stop saves without evaluating
-            if signum:
-                raise stopped(signum, epoch, step, args)
+        run.log.add(step, train_step(run, batch, layerdrop_keep(args, epoch, step, run.device)))
+        at_boundary = step % args.log_steps == 0 or step in (timed_from, last)
+        if at_boundary:
+            xm.add_step_closure(run.log.boundary, args=(step,))  # runs once this step's graph has launched
+        saving = args.save_steps is not None and step % args.save_steps == 0
+        if step == last or not (at_boundary or saving):
+            continue  # (the epoch's end evaluates, saves, and takes a stop)
+        [signum] = agree(run, stop_signal(args))
+        if signum:
+            save(run, epoch, step)  # a stop saves without evaluating
+            raise stop_exit(signum, epoch, step, args)
+        if saving:
+            save(run, epoch, step, evaluate(run))
     if step != last:  # MpDeviceLoader ends the epoch quietly when the DataLoader fails
-        raise TrainingFailed(f"failed: epoch {epoch}'s input stopped at step {step} of {last}", 1)
-    run.log.flush(end=True)  # a deliberate wait: the epoch's last losses
+        raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {last}")
+    run.log.end_steps()
 
-def train(args, spmd=False):
-    """One replica's run (under SPMD, the one process's): devices, model, data, then the epochs."""
-    run = start_replica(args, spmd)  # the runtime starts here
-    torch.manual_seed(args.seed)
-    run.model = build_model(args).to(run.device)
-    if run.world > 1:  # TPU v2/v3 run two replicas per process, sharing one RNG: all take the master's weights
-        xm.broadcast_master_param(run.model)
+
+def train(run):
+    """One replica's run (under SPMD, the one process's): model, data, then the epochs."""
+    args = run.args
+    run.model = initial_model(args).to(run.device)
+    if run.world > 1:
+        broadcast_weights(run.model)
     # foreach: one traced op updates every parameter (an op per parameter took a third of the host's step time)
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     loader = train_loader(run, *load_split(args, train=True))
     run.test = test_loader(run, *load_split(args, train=False))
-    if not (steps := min(len(loader), args.steps_per_epoch or len(loader))):
-        raise UsageError(f"--batch-size {args.batch_size}: more than a replica's share of the training set")
+    steps = min(len(loader), args.steps_per_epoch or len(loader))
+    if steps == 0:
+        raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run, steps)
-    print0(f"{args.kind} | {run.devices} devices, {'SPMD' if spmd else 'a replica each'} | global batch "
-           f"{run.global_batch} | lr {args.lr} | {steps} steps per epoch | out {args.out_dir}, written by ordinal 0 "
-           f"on {socket.gethostname()}")
-    first, skip = resume(run, steps) if args.resume else (1, 0)
-    for epoch in range(first, args.epochs + 1):
+    mode = "SPMD" if run.mesh is not None else "a replica each"
+    xm.master_print(
+        f"{args.kind} | {run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr} | "
+        f"{steps} steps per epoch | out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}",
+        flush=True,
+    )
+    first_epoch, skip = 1, 0
+    if args.resume:
+        first_epoch, skip = resume(run, steps)
+    set_stage(run, "training")
+    for epoch in range(first_epoch, args.epochs + 1):
         loader.sampler.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
         train_epoch(run, loader, epoch, skip, steps)
-        measured, skip = evaluate(run), 0
-        run.log.end_epoch(epoch, measured, save(run, (epoch + 1, 0), measured))  # exits 3 past --max-recompiles
-        if (signum := agree_to_stop(run)) and epoch < args.epochs:
-            raise stopped(signum, epoch + 1, 0, args)
+        skip = 0
+        test = evaluate(run)
+        path = save(run, epoch + 1, 0, test)
+        run.log.end_epoch(epoch, test, path)
+        recompiles, signum = agree(run, run.log.recompiles, stop_signal(args))
+        if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
+            why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
+            raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
+        if signum and epoch < args.epochs:
+            raise stop_exit(signum, epoch + 1, 0, args)
     finish(run)
+
 
 # ---- launch: xmp.spawn, one replica per device, or SPMD in this process -------------------------------------------
 def main(argv=None):
@@ -228,270 +306,437 @@ def main(argv=None):
         launch(parse_args(argv))
     except (Exception, KeyboardInterrupt) as e:
         code, line = describe(e)
-        print(f"train_tpu.py: {line}", file=sys.stderr)
+        print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
         return code
     return 0
 
-def launch(args):  # refuses what it can before any device starts, then runs the replicas
-    cores = check_environment(args)  # versions, the device, hosts, --cores
-    prepare_out_dir(args)  # --resume's settings, --out-dir
+
+def launch(args):
+    """Refuses what it can before any device starts, then runs the replicas. --cores 1: one device, in this process;
+    otherwise a replica per device, in a process per TPU chip (xmp.spawn's nprocs=None; docs: learn/pjrt)."""
+    kind, hosts, cores = check_environment(args)
+    args.kind = kind  # the replicas read it
+    args.hosts = hosts
+    if args.spmd and args.kind == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(cores)  # the CPU runtime emulates that many devices
+    prepare_out_dir(args)
     prepare_data(args)
-    with run_files(args):  # the stop and failure files, the signal handlers, the smoke deadline
-        try:  # nprocs=1: one device, in this process; None: a process per TPU chip (docs: learn/pjrt)
-            train(args, spmd=True) if args.spmd else xmp.spawn(_mp_fn, args=(args,), nprocs=1 if cores == 1 else None)
+    with run_control(args):
+        try:
+            if args.spmd:
+                train(start_replica(args, spmd=True))
+            else:
+                xmp.spawn(_mp_fn, args=(args,), nprocs=1 if cores == 1 else None)
+        except Exit:
+            raise  # every replica raised it at the same point
         except Exception as e:
-            raise replica_failure() or runtime_failure(args, e) or e
+            reason = why_replicas_ended(args, e)
+            if reason is None:  # a bug in the only replica: main() prints its traceback
+                raise
+            raise reason from e
+
 
 def _mp_fn(index, args):  # xmp.spawn's entry, once per replica
+    run = start_replica(args, spmd=False)
     try:
-        train(args)
+        train(run)
+    except Exit:
+        raise  # every replica raises it at the same point: xmp.spawn hands it to launch() once all have ended
     except BaseException as e:
-        if PROCESS["world"] == 1 and multiprocessing.parent_process() is None:
-            raise  # the only replica, in this process: main() or fit() says what happened
-        code, line = describe(e)
-        end_this_replica(code, f"replica {PROCESS['rank']}: {line}")
+        if run.world == 1:
+            raise
+        fail_alone(run, e)  # the others would wait for this one in their next all-reduce
+
 
 # ==== the instruments, each called by name from the training path above ============================================
 
-# ---- errors, flag types, the master -------------------------------------------------------------------------------
-class UsageError(Exception):
-    code = 2  # bad input: one line, exit 2
-class TrainingFailed(Exception):  # args: the run's last line, and its exit code (both in args, so it pickles)
-    code = property(lambda self: self.args[1])
-def describe(e):  # (exit code, one line) for whatever ended a run
-    if isinstance(e, (UsageError, TrainingFailed)):
-        return e.code, f"error: {e}" if isinstance(e, UsageError) else e.args[0]
+
+# ---- errors, flag types ------------------------------------------------------------------------------------------
+class Exit(Exception):
+    """Ends a run with one line and an exit code: 2 is bad input (its line starts "error:"); README.md lists the rest.
+    Raised in the replicas only where every replica raises it, with the same code."""
+
+    def __init__(self, code, line):
+        super().__init__(code, line)  # (the args pickle: xmp.spawn hands it from a replica process to the launcher)
+        self.code = code
+        self.line = line
+
+    def __str__(self):
+        return self.line
+
+
+def describe(e):
+    """(exit code, one line) for whatever ended a run."""
+    if isinstance(e, Exit):
+        return e.code, e.line
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted"
-    traceback.print_exc()  # a bug, in your model say: the traceback is what you need
+    traceback.print_exception(e)  # a bug, in your model say: the traceback is what you need
     return 1, f"failed: {type(e).__name__}: {e} (traceback above)"
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
-        raise UsageError(f"{message} (see --help)")
-def checked(kind, ok, rule):  # an argparse type that refuses values outside `rule`, and NaN
+        raise Exit(2, f"error: {message} (see --help)")
+
+
+def in_range(kind, rule, ok):
+    """An argparse type: the text as `kind`, refused when `ok` is false (the message names `rule`) or when NaN."""
+
     def parse(text):
-        if not ok(value := kind(text)) or value != value:
+        value = kind(text)
+        if math.isnan(value) or not ok(value):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
-    parse.__name__ = kind.__name__  # argparse's own words: "invalid int value: 'x'"
-    return parse
-def is_master():  # the one test of who prints and writes; before the runtime starts, only the launcher runs
-    return not torch_xla._XLAC._xla_runtime_is_initialized() or xr.global_ordinal() == 0
-def print0(*args):
-    if is_master():
-        print(*args, flush=True)
 
-# ---- before any device starts: versions, the device, hosts, --cores, --resume, --out-dir --------------------------
-def check_environment(args):  # the cores to train on; nothing here starts the runtime (xmp.spawn would then refuse)
+    parse.__name__ = kind.__name__  # argparse's own words for a bad number: "invalid int value: 'x'"
+    return parse
+
+
+def first_line(e):
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return lines[0]
+
+
+# ---- before any device starts: torch_xla, the device, hosts, --cores, --out-dir -----------------------------------
+def check_environment(args):
+    """(device kind, hosts, cores to train on). Nothing here starts the runtime: xmp.spawn refuses to run after."""
+    if XLA_IMPORT_ERROR is not None:
+        why = f"{type(XLA_IMPORT_ERROR).__name__}: {first_line(XLA_IMPORT_ERROR)}"
+        raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
     from importlib.metadata import version
-    xla = version("torch_xla") if XLA_IMPORT_ERROR is None else XLA_IMPORT_ERROR
-    if str(xla).split(".")[:2] != torch.__version__.split(".")[:2]:
-        raise UsageError(f"torch {torch.__version__} with torch_xla {xla}: install the pair that requirements.txt "
-                         "pins (torch_xla's C++ is built for one torch release)")
-    from torch_xla._internal import tpu  # reads the PCI bus and the TPU VM's metadata, without the runtime
-    chips = tpu.num_available_chips()
-    args.kind = os.environ.setdefault("PJRT_DEVICE", "TPU" if chips else "CPU")
-    if args.kind not in ("TPU", "CPU") or (args.kind == "TPU" and not chips):
-        raise UsageError(f"PJRT_DEVICE={args.kind}, and this machine has no such device: unset it to use the CPU")
-    try:  # the TPU VM's metadata server
-        args.hosts = tpu.num_tpu_workers() if args.kind == "TPU" else 1
-    except Exception as e:
-        raise UsageError(f"cannot read this TPU VM's slice from its metadata: {str(e).strip().splitlines()[0]}")
-    have = tpu.num_available_devices() if chips else int(os.environ.get("CPU_NUM_DEVICES", 1))
+
+    xla = version("torch_xla")
+    if xla.split(".")[:2] != torch.__version__.split(".")[:2]:  # torch_xla's C++ is built for one torch release
+        raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
+    chips = tpu.num_available_chips()  # the PCI bus, read without the runtime
+    if chips and USER_DEVICE is None and not torch_xla._found_libtpu:  # torch_xla chose the CPU (__init__.py)
+        raise Exit(2, "error: this TPU VM's torch_xla has no libtpu: pip install 'torch_xla[tpu]'")
+    kind = os.environ["PJRT_DEVICE"]  # the user's, or what torch_xla's import chose
+    if kind not in ("TPU", "CPU") or (kind == "TPU" and not chips):
+        raise Exit(2, f"error: PJRT_DEVICE={kind}, and this machine has no such device: unset it to use the CPU")
+    hosts = 1
+    if kind == "TPU":
+        try:
+            hosts = tpu.num_tpu_workers()  # the TPU VM's metadata server
+        except Exception as e:
+            raise Exit(2, f"error: cannot read this TPU VM's slice from its metadata: {first_line(e)}") from e
+    have = tpu.num_available_devices() if kind == "TPU" else int(os.environ.get("CPU_NUM_DEVICES", 1))
     cores = args.cores or have
-    if args.hosts > 1 and (args.spmd or cores == 1):
-        raise UsageError(f"--spmd and --cores 1 train on one host, and this slice has {args.hosts}: leave them out")
-    if args.spmd and args.kind == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(cores)  # the runtime emulates that many devices
-    elif args.kind == "CPU" and cores > 1:  # the replicas of one CPU process are threads
-        raise UsageError(f"--cores {cores} on the CPU: torch_xla's CPU collectives hang across replicas "
-                         "(pytorch/xla#5005); use --cores 1, or --spmd --cores N")
-    elif cores not in ((have,) if args.spmd else (1, have)):
-        raise UsageError(f"--cores {cores}: this machine has {have} {args.kind} devices; use "
-                         + ("all of them with --spmd" if args.spmd else f"--cores 1 or {have}"))
-    return cores
+    if hosts > 1 and (args.spmd or cores == 1):
+        raise Exit(2, f"error: --spmd and --cores 1 train on one host, and this slice has {hosts}: leave them out")
+    if kind == "CPU" and cores > 1 and not args.spmd:  # the replicas of one CPU process are threads
+        why = "torch_xla's CPU collectives hang across replicas (pytorch/xla#5005)"
+        raise Exit(2, f"error: --cores {cores} on the CPU: {why}; use --cores 1, or --spmd --cores N")
+    if kind == "TPU" and args.spmd and cores != have:
+        raise Exit(2, f"error: --cores {cores}: --spmd uses all {have} TPU devices of this machine")
+    if kind == "TPU" and cores not in (1, have):
+        raise Exit(2, f"error: --cores {cores}: this machine has {have} TPU devices; use --cores 1 or {have}")
+    return kind, hosts, cores
+
+
 def prepare_out_dir(args):
-    """--resume's settings; --out-dir, made by every host (ordinal 0 need not be on host 0: torch_xla/runtime.py)."""
-    source = args.resume and os.path.dirname(os.path.abspath(find_checkpoint(args.resume)))
+    """--out-dir, the resumed run's folder by default, made by every host: ordinal 0, which writes, need not be on
+    host 0 (torch_xla/runtime.py)."""
+    resumed = None
     if args.resume:
-        saved = read_checkpoint(find_checkpoint(args.resume))["config"]
-        vars(args).update(taken := {k: v for k, v in saved.items() if k not in args.given and getattr(args, k) != v})
-        print(f"resume | settings saved with the checkpoint, and not given now: {taken}")
-    if args.out_dir is None and args.hosts > 1 and not source:
-        raise UsageError("--out-dir is needed on a pod slice: a folder that every host can read")
-    args.out_dir = args.out_dir or source or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    held = os.path.isdir(args.out_dir) and (checkpoints(args.out_dir) or "metrics.jsonl" in os.listdir(args.out_dir))
-    if held and source != os.path.abspath(args.out_dir):
-        raise UsageError(f"--out-dir {args.out_dir} holds a run: continue it with --resume, or name another folder")
+        resumed = os.path.dirname(os.path.abspath(find_checkpoint(args.resume)))
+    if args.out_dir is None and args.hosts > 1 and resumed is None:
+        raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
+    if args.out_dir is None:
+        args.out_dir = resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if holds_run(args.out_dir) and resumed != os.path.abspath(args.out_dir):
+        raise Exit(2, f"error: --out-dir {args.out_dir} holds a run: continue it with --resume, or name another folder")
     try:
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"--out-dir {args.out_dir}: cannot make it ({e.strerror})")
-def start_replica(args, spmd):  # starts the runtime: this replica's device, and its place in the run
-    PROCESS.update(stage="devices", args=args)  # what the smoke deadline names
+        raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
+
+
+def holds_run(folder):
+    return os.path.isdir(folder) and (checkpoints(folder) or "metrics.jsonl" in os.listdir(folder))
+
+
+def start_replica(args, spmd):
+    """Starts the runtime: this replica's device, and its place in the run (under SPMD, the one process's)."""
     run = types.SimpleNamespace(args=args, mesh=None, world=1, rank=0)
     if spmd:
         xr.use_spmd()  # before the runtime starts: every tensor is one global tensor
         run.devices = xr.global_runtime_device_count()
         run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
     else:
-        run.world, run.rank = xr.world_size(), xr.global_ordinal()
+        run.world = xr.world_size()
+        run.rank = xr.global_ordinal()
         run.devices = run.world
     run.device = torch_xla.device()
-    PROCESS.update(world=run.world, rank=run.rank)  # the runtime is up
     run.global_batch = args.batch_size * run.devices  # samples per step, over every device
-    run.load_batch = run.global_batch if spmd else args.batch_size  # what this process loads per step
+    run.load_batch = args.batch_size  # what this process loads per step
+    if spmd:
+        run.load_batch = run.global_batch
+    set_stage(run, "devices")  # the launcher now knows that this replica's runtime started
     return run
 
-# ---- input: the test shard, layerdrop's coin flips, synthetic digits ----------------------------------------------
-def test_loader(run, images, labels):  # this replica's share, padded with valid=0: one batch shape, each sample once
+
+# ---- the model's first weights, the test shard, layerdrop's coin flips, synthetic digits --------------------------
+SEEDING = threading.Lock()  # TPU v2/v3 run two replicas per process, on one global RNG
+
+
+def initial_model(args):
+    """The model's first weights, from --seed alone: the same on every replica, in every run."""
+    with SEEDING:
+        torch.manual_seed(args.seed)
+        return build_model(args)
+
+
+def broadcast_weights(model):
+    """Every replica takes the master's floating-point weights, should a model's initialisation not follow the seed.
+    Integer buffers stay: TPUs all-reduce no int64 (pytorch/xla#1952), and a step count starts equal anyway."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    xm.collective_broadcast([t for t in tensors if t.dtype in COLLECTIVE_DTYPES])
+    torch_xla.sync()
+
+
+def test_loader(run, images, labels):
+    """This replica's share of the test set, padded with valid=0: one batch shape, and each sample counted once."""
     index = torch.arange(run.rank, len(labels), run.world)
-    size = math.ceil(math.ceil(len(labels) / run.world) / run.load_batch) * run.load_batch  # the same on every replica
+    share = math.ceil(len(labels) / run.world)
+    size = math.ceil(share / run.load_batch) * run.load_batch  # the same on every replica
     valid = (torch.arange(size) < len(index)).float()
     index = torch.cat([index, index.new_zeros(size - len(index))])
     data = StackDataset(image=images[index], label=labels[index], valid=valid)
     return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, False), batch_size=None)
+
+
 def layerdrop_keep(args, epoch, step, device):
-    """The step's fc2 decisions, from (seed, epoch, step) only: the same on every replica (one that traced other
-    drops would all-reduce other gradients), and after a resume."""
+    """The step's fc2 decisions, from (seed, epoch, step) only: the same on every replica (one that traced other drops
+    would all-reduce other gradients), and after a resume."""
     if args.layerdrop == "off":
         return None
     keep = np.random.default_rng([args.seed, epoch, step]).random(50) >= args.layerdrop_prob
-    return keep.tolist() if args.layerdrop == "dynamic" else torch.tensor(keep, device=device)
+    if args.layerdrop == "dynamic":
+        return keep.tolist()
+    return torch.tensor(keep, device=device)
+
+
 def synthetic_digits(n, seed):
     """Ten random stroke patterns, one per class, shifted by up to 8 pixels on noise: fixed pixel templates do poorly,
     a CNN learns them. Deterministic for (n, seed)."""
     g = torch.Generator().manual_seed(seed)
     glyphs = (torch.rand(10, 14, 14, generator=torch.Generator().manual_seed(0)) < 0.3).float()
-    labels, images = torch.randint(0, 10, (n,), generator=g), torch.rand(n, 28, 28, generator=g) * 0.3
+    labels = torch.randint(0, 10, (n,), generator=g)
+    images = torch.rand(n, 28, 28, generator=g) * 0.3
     for i, (down, right) in enumerate(torch.randint(0, 9, (n, 2), generator=g).tolist()):
-        images[i, 3 + down:17 + down, 3 + right:17 + right] += glyphs[labels[i]] * 0.7
+        images[i, 3 + down : 17 + down, 3 + right : 17 + right] += glyphs[labels[i]] * 0.7
     return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
+
+
 @contextlib.contextmanager
 def quietly():  # torchvision's download attempts and DCP's notices, which say nothing about this use
-    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):  # noqa: SIM117
+        with warnings.catch_warnings(action="ignore"):  # (one `with` of four items formats into seven lines)
+            yield
+
 
 # ---- logging: log lines, metrics.jsonl, TensorBoard, compiles ----------------------------------------------------
 class Log:
-    """A replica's losses and compiles, printed and written to OUT/metrics.jsonl and TensorBoard by the master. Each log
-    boundary prints the previous one's loss, long finished: the loop never waits. Saves and epoch ends read the rest."""
+    """A replica's losses and compile counts; the master prints them and writes OUT/metrics.jsonl and TensorBoard
+    scalars. A log line shows the previous boundary's loss, long computed: the loop never waits for it."""
+
     def __init__(self, run, steps):
-        self.run, self.steps, self.history, self.warm_total, self.accuracy = run, steps, [], None, None
+        self.run = run
+        self.steps = steps
+        self.history = []  # every step's loss, as read back: the smoke's learning check
+        self.accuracy = None
+        self.warm_compiles = None  # graphs compiled in this process by the end of the run's first epoch
+        self.recompiles = 0
         self.board = None
-        if is_master():
+        if run.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
+
             self.board = SummaryWriter(run.args.out_dir)
-        self.start(0, 0, 0)
-        PROCESS["stage"] = "training"  # (the smoke deadline's name for it)
-    def start(self, epoch, skip, last):
-        self.epoch, self.skip, self.warm, self.last = epoch, skip, skip + WARMUP_STEPS, last
-        self.pending, self.values, self.times, self.compiles = [], {}, {}, compiles()[0]
+        self.start_epoch(0, 0, 0)
+
+    def start_epoch(self, epoch, timed_from, last):
+        self.epoch = epoch
+        self.timed_from = timed_from  # samples/s counts the steps after this one
+        self.last = last
+        self.unread = []  # (step, loss on the device), not yet read back
+        self.losses = {}  # step: loss, read back
+        self.times = {}  # step: when its boundary's graph launched
+        self.compiles_at_start = compiles()[0]
+
+    def add(self, step, loss):
+        self.unread.append((step, loss))
+
     def boundary(self, step):  # a step closure: runs once this step's graph has launched
-        if self.times:  # the previous boundary's window: long finished on the device, so no wait
-            self.flush(upto=max(self.times))
-            self.line(max(self.times))
+        if self.times:  # the previous boundary's loss: long finished on the device, so no wait
+            previous = max(self.times)
+            self.read(upto=previous)
+            self.print_step(previous)
         self.times[step] = time.perf_counter()
-    def line(self, step):
-        print0(f"epoch {self.epoch} step {step}/{self.last} | loss {self.values[step]:.4f}")
-    def flush(self, upto=None, end=False):  # reads losses up to step `upto` (all: a deliberate wait), and frees them
-        first = self.skip + len(self.values) + 1  # (a live tensor per step would slow every graph cut a little more)
-        n = len(self.pending) if upto is None else max(0, upto - first + 1)
-        rows = [dict(epoch=self.epoch, step=first + i, loss=float(t.cpu())) for i, t in enumerate(self.pending[:n])]
-        del self.pending[:n]
-        if end:  # the epoch's last step has finished on the device: its time, for samples/s
-            self.times[self.last] = time.perf_counter()
-        self.values.update((r["step"], r["loss"]) for r in rows)
-        self.history += [r["loss"] for r in rows]
-        for r in self.write(rows):
-            self.board.add_scalar("train/loss", r["loss"], (r["epoch"] - 1) * self.steps + r["step"])
-    def write(self, rows):  # the master appends to OUT/metrics.jsonl; returns what it wrote
-        if not self.board:
-            return []
+
+    def end_steps(self):  # a deliberate wait: the epoch's last losses
+        self.read()
+        self.times[self.last] = time.perf_counter()
+
+    def print_step(self, step):
+        xm.master_print(f"epoch {self.epoch} step {step}/{self.last} | loss {self.losses[step]:.4f}", flush=True)
+
+    def read(self, upto=None):
+        """Reads back the losses up to step `upto` (all when None), and frees them: a live tensor per step would slow
+        every graph cut a little more. The master appends them to metrics.jsonl."""
+        rows = []
+        while self.unread and (upto is None or self.unread[0][0] <= upto):
+            step, loss = self.unread.pop(0)
+            self.losses[step] = float(loss.cpu())
+            self.history.append(self.losses[step])
+            rows.append(dict(epoch=self.epoch, step=step, loss=self.losses[step]))
+        if self.board:
+            self.write(rows)
+            for r in rows:
+                self.board.add_scalar("train/loss", r["loss"], (r["epoch"] - 1) * self.steps + r["step"])
+
+    def write(self, rows):
         with open(os.path.join(self.run.args.out_dir, "metrics.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        return rows
-    def end_epoch(self, epoch, measured, path):  # the epoch's lines and record; exit 3 past --max-recompiles
-        self.line(self.last)
-        (total, seconds), (loss, self.accuracy, counted), args = compiles(), measured, self.run.args
-        self.warm_total = total if self.warm_total is None else self.warm_total
-        self.recompiles, ops = total - self.warm_total, fallback_ops()
-        rate = (self.last - self.warm) * self.run.global_batch / (self.times[self.last] - self.times[self.warm]) \
-            if self.last > self.warm else None  # the warm-up left out
-        for _ in self.write([dict(epoch=epoch, test_loss=loss, accuracy=self.accuracy, samples_per_s=rate,
-                                  compiles=total - self.compiles, recompiles=self.recompiles, fallback_ops=ops)]):
-            self.board.add_scalar("test/accuracy", self.accuracy, epoch * self.steps)
+
+    def end_epoch(self, epoch, test, path):
+        """The epoch's lines and its record. Compiles are counted per process (TPU v2/v3 hold two replicas)."""
+        self.print_step(self.last)
+        total, seconds = compiles()
+        if self.warm_compiles is None:
+            self.warm_compiles = total  # the run's first epoch is its warm-up
+        self.recompiles = total - self.warm_compiles
+        self.accuracy = test.accuracy
+        ops = fallback_ops()
+        rate = None
+        if self.last > self.timed_from:  # the warm-up steps left out
+            seconds_timed = self.times[self.last] - self.times[self.timed_from]
+            rate = (self.last - self.timed_from) * self.run.global_batch / seconds_timed
+        speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
+        xm.master_print(
+            f"epoch {epoch} done | test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} "
+            f"samples) | {speed} | checkpoint {path}\n"
+            f"epoch {epoch} compiles in this process | this epoch {total - self.compiles_at_start} | recompiles after "
+            f"warm-up {self.recompiles} | {seconds:.1f} s compiling in all | CPU fallback ops: {ops}",
+            flush=True,
+        )
+        if self.board:
+            compiled = total - self.compiles_at_start
+            record = dict(epoch=epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
+            self.write([dict(record, compiles=compiled, recompiles=self.recompiles, fallback_ops=ops)])
+            self.board.add_scalar("test/accuracy", test.accuracy, epoch * self.steps)
             self.board.add_scalar("train/samples_per_s", rate or 0, epoch * self.steps)
             self.board.flush()
-        print0(f"epoch {epoch} done | test loss {loss:.4f} | accuracy {self.accuracy:.2f}% ({counted:,} samples) | "
-               + (f"{rate:,.0f} samples/s" if rate else "untimed") + f" | checkpoint {path}\nepoch {epoch} compiles"
-               f" | this epoch {total - self.compiles} | recompiles after warm-up {self.recompiles} | {seconds:.1f} s "
-               f"compiling in all | CPU fallback ops: {ops}")
-        if None is not args.max_recompiles < self.recompiles and not args.smoke:
-            raise TrainingFailed(f"failed: {self.recompiles} graphs compiled after warm-up (the run's first epoch), "
-                                 f"over --max-recompiles {args.max_recompiles}: the graph changes from step to step", 3)
+
+
 def read_metrics(out_dir):
     """{"history": a dict per step, "epochs": one per epoch} from OUT/metrics.jsonl. A step trained twice (before a
     kill, and after --resume) counts once, as last trained; a line torn by a kill, not at all."""
-    rows = {}
+    steps, epochs = {}, {}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         for line in f:
             with contextlib.suppress(ValueError):
-                r = json.loads(line)
-                rows["loss" in r, r["epoch"], r.get("step", 0)] = r
-    return {"history": [r for k, r in sorted(rows.items()) if k[0]],
-            "epochs": [r for k, r in sorted(rows.items()) if not k[0]]}
+                row = json.loads(line)
+                if "loss" in row:
+                    steps[row["epoch"], row["step"]] = row
+                else:
+                    epochs[row["epoch"]] = row
+    return {"history": [steps[k] for k in sorted(steps)], "epochs": [epochs[k] for k in sorted(epochs)]}
+
+
 def compiles():  # graphs compiled in this process so far, and the seconds it took (torch_xla's metrics)
     data = met.metric_data("CompileTime")  # (count, total ns, samples), or None before the first
-    return (data[0], data[1] / 1e9) if data else (0, 0.0)
+    if data is None:
+        return 0, 0.0
+    return data[0], data[1] / 1e9
+
+
 def fallback_ops():  # ops run on the host for want of an XLA lowering; `.item()` (a wait in the step) counts too
-    return ", ".join(f"{n} x{met.counter_value(n)}" for n in met.counter_names() if n.startswith("aten::")) or "none"
+    names = [n for n in met.counter_names() if n.startswith("aten::")]
+    return ", ".join(f"{n} x{met.counter_value(n)}" for n in names) or "none"
+
 
 # ---- checkpoints: one dict, two formats ---------------------------------------------------------------------------
 # A checkpoint is one dict: model, optimizer, position (the epoch to train next, and the samples of it trained on),
 # settings, and the test loss and accuracy measured just before saving (None when saved on a stop), named by its
 # position: checkpoint-EEEE-SSSSSSSSS. Multi-core, every replica calls xm.save and the global master writes NAME.pt;
-# under SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs: perf/spmd_distributed
-# _checkpoint). The formats differ (the seed thread, pytorch/xla#6660): --resume reads either, and converts.
-RESUMED = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop",
-           "layerdrop_prob", "bf16")  # a resumed run takes these from its checkpoint, unless they are given
-def save(run, position, measured=None):  # at `position` (epoch, steps of it done); measured: (test loss, accuracy, n)
+# under SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
+# perf/spmd_distributed_checkpoint). The two formats differ, and an xm.save checkpoint loaded naively into an SPMD model
+# can silently compute something else (pytorch/xla#6660): --resume reads either, converts, and checks the test loss.
+RESUMED = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop")
+RESUMED += ("layerdrop_prob", "bf16")  # a resumed run takes these from its checkpoint, unless they are given
+NOT_TESTED = TestResult(None, None, 0)
+
+
+def save(run, epoch, steps_done, test=NOT_TESTED):
+    """Saves the run at its position (the epoch to train next, and the steps of it done), with the test loss and
+    accuracy just measured (none on a stop). Returns the checkpoint's path."""
     torch_xla.sync()  # runs this step's log closure: its line comes before the save
-    run.log.flush()  # metrics.jsonl holds every step that the checkpoint holds
-    (loss, accuracy, _), args, samples = measured or (None, None, 0), run.args, position[1] * run.global_batch
-    ckpt = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "epoch": position[0],
-            "samples": samples, "device": args.kind, "test_loss": loss, "accuracy": accuracy,
-            "config": {k: getattr(args, k) for k in RESUMED}}
-    path = os.path.join(args.out_dir, f"checkpoint-{position[0]:04d}-{samples:09d}" + ".pt" * (run.mesh is None))
+    run.log.read()  # metrics.jsonl holds every step that the checkpoint holds
+    args = run.args
+    samples = steps_done * run.global_batch
+    ckpt = {
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "epoch": epoch,
+        "samples": samples,
+        "device": args.kind,
+        "test_loss": test.loss,
+        "accuracy": test.accuracy,
+        "config": {name: getattr(args, name) for name in RESUMED},
+    }
+    path = os.path.join(args.out_dir, f"checkpoint-{epoch:04d}-{samples:09d}")
     if run.mesh is None:
+        path += ".pt"
         xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # every replica syncs; the master writes
     else:
         import torch.distributed.checkpoint as dcp
         import torch_xla.experimental.distributed_checkpoint as xc
+
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         with quietly():
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(path + ".tmp"), planner=xc.SPMDSavePlanner())
         shutil.rmtree(path, ignore_errors=True)  # the same position, saved again
-    if is_master():
+    if run.rank == 0:
         os.replace(path + ".tmp", path)  # whole or not at all: a kill mid-write leaves the last good ones
         for old in checkpoints(args.out_dir)[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+            if os.path.isdir(old):
+                shutil.rmtree(old)
+            else:
+                os.remove(old)
     return path
-def checkpoints(folder):  # a run folder's complete checkpoints, either format, the newest written last
-    paths = [os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("checkpoint-") and (
-        n.endswith(".pt") or "." not in n and os.path.exists(os.path.join(folder, n, ".metadata")))]
+
+
+def checkpoints(folder):
+    """A run folder's complete checkpoints, either format, the newest written last."""
+    paths = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.startswith("checkpoint-") and (name.endswith(".pt") or is_dcp(path)):
+            paths.append(path)
     return sorted(paths, key=lambda p: (os.path.getmtime(p), p))
+
+
+def is_dcp(path):  # a complete torch.distributed.checkpoint folder
+    return os.path.exists(os.path.join(path, ".metadata"))
+
+
 def find_checkpoint(path):  # what --resume PATH means: a checkpoint, or a run folder's newest
-    if os.path.isfile(path) or os.path.exists(os.path.join(path, ".metadata")):
+    if os.path.isfile(path) or is_dcp(path):
         return path
-    if not (found := checkpoints(path) if os.path.isdir(path) else []):
-        raise UsageError(f"--resume {path}: no checkpoint there")
+    found = checkpoints(path) if os.path.isdir(path) else []
+    if not found:
+        raise Exit(2, f"error: --resume {path}: no checkpoint there")
     return found[-1]
+
+
 def read_checkpoint(path):  # either format, as the one dict that torch.load gives for a file
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     try:
         if os.path.isdir(path):
             with tempfile.TemporaryDirectory() as tmp, quietly():
@@ -501,235 +746,363 @@ def read_checkpoint(path):  # either format, as the one dict that torch.load giv
             ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        assert {"model", "optimizer", "epoch", "samples", "config"} <= ckpt.keys()
+        if not {"model", "optimizer", "epoch", "samples", "config"} <= ckpt.keys():
+            raise KeyError("not the keys of a train_tpu.py checkpoint")
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise UsageError(f"--resume {path}: cannot read it ({type(e).__name__}): truncated, damaged, or not a "
-                         "train_tpu.py checkpoint")
+        why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
+        raise Exit(2, f"error: --resume {path}: {why}") from None
     return ckpt
+
+
 def resume(run, steps):
-    """Loads --resume, and proves it still gives the test loss saved with it (the seed thread's trap: a converted
-    checkpoint silently computing something else); one in the other format is saved in this run's at once. Returns
+    """Loads --resume and proves that it still gives the test loss saved with it, as a checkpoint converted between
+    the formats can silently compute something else; one in the other format is saved in this run's at once. Returns
     (epoch, steps of it done)."""
-    args, path = run.args, find_checkpoint(run.args.resume)
-    ckpt, measured = read_checkpoint(path), None
+    args = run.args
+    path = find_checkpoint(args.resume)
+    ckpt = read_checkpoint(path)
     try:
         run.model.load_state_dict(ckpt["model"])  # onto the device; under SPMD, replicated
     except RuntimeError as e:
-        raise UsageError(f"--resume {path}: its model is not this run's: {str(e).splitlines()[1].strip()}")
+        raise Exit(2, f"error: --resume {path}: its model is not this run's: {str(e).splitlines()[1].strip()}") from e
     run.optimizer.load_state_dict(ckpt["optimizer"])
     for group in run.optimizer.param_groups:
         group.update(lr=args.lr, momentum=args.momentum)  # this run's, given or taken
     done, rest = divmod(ckpt["samples"], run.global_batch)
     if rest or done >= steps:
-        raise UsageError(f"--resume {path}: {ckpt['samples']} samples into its epoch are no whole step of this run's "
-                         f"{steps}: resume with the batch size and --steps-per-epoch it was saved with")
+        why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {steps}"
+        raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
+    test = NOT_TESTED
     if ckpt["test_loss"] is None:
-        print0("resume check | skipped: saved on a stop, with no test loss measured")
+        xm.master_print("resume check | skipped: saved on a stop, with no test loss measured", flush=True)
     elif (ckpt["config"]["data"], ckpt["config"]["data_dir"]) != (args.data, args.data_dir):
-        print0("resume check | skipped: the checkpoint was evaluated on other --data")
+        xm.master_print("resume check | skipped: the checkpoint was evaluated on other --data", flush=True)
     else:
-        measured, saved = evaluate(run), ckpt["test_loss"]
-        tol = 1e-5 if {args.kind, ckpt["device"]} == {"CPU"} else 2e-2  # TPU matmuls round through bfloat16
-        print0(f"resume check | test loss saved {saved:.6f}, now {measured[0]:.6f} (tolerance {tol:.0e})")
-        if not abs(measured[0] - saved) <= tol:
-            raise TrainingFailed(f"failed: resume check: {path} gives test loss {measured[0]:.6f}, and was saved "
-                                 f"at {saved:.6f}", 4)
+        test = evaluate(run)
+        saved = ckpt["test_loss"]
+        tol = tolerance(args, ckpt["device"])
+        xm.master_print(
+            f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})", flush=True
+        )
+        if not abs(test.loss - saved) <= tol:
+            raise Exit(4, f"failed: resume check: {path} gives test loss {test.loss:.6f}, and was saved at {saved:.6f}")
     if os.path.isdir(path) != (run.mesh is not None):  # the other format: convert it now
-        print0(f"resume | converted, saved as {save(run, (ckpt['epoch'], done), measured)}")
-    print0(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
+        xm.master_print(f"resume | converted, saved as {save(run, ckpt['epoch'], done, test)}", flush=True)
+    xm.master_print(
+        f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}", flush=True
+    )
     return ckpt["epoch"], done
 
-# ---- stopping early: SIGTERM, Ctrl-C, a failing replica -----------------------------------------------------------
-# xmp.spawn runs each replica in a pool thread of a child process, and Python runs signal handlers only in a main
-# thread. So every process of a run (the launcher, and each replica process as it imports this file: see the end)
-# takes SIGTERM and Ctrl-C in its main thread and writes the stop file, which the replicas read at each log boundary,
-# agreeing to stop together. A failing replica writes its line and exit code to the failure file, for the launcher.
-PROCESS = {"stage": None, "checks": None, "args": None, "world": 1, "rank": None, "timers": []}
+
+def tolerance(args, other_device="CPU"):
+    """How far two computations of the same numbers may differ: float32 on the CPU agrees to rounding; TPU matmuls
+    round through one bfloat16 pass by default, and --bf16 rounds both sides. A wrong weight or layout moves them by
+    O(1)."""
+    if args.bf16:
+        return 5e-2
+    if args.kind == "CPU" and other_device == "CPU":
+        return 1e-5
+    return 2e-2
+
+
+# ---- run control: stop signals, a failing replica, the smoke deadline ---------------------------------------------
+# The launcher (this process) alone takes SIGTERM and Ctrl-C, and times --smoke's deadline. Replicas may run in other
+# processes (xmp.spawn, a process per TPU chip), where they ignore those signals (see the file's end) and run in pool
+# threads, which cannot take signals at all. So the launcher and the replicas meet in a folder of small files: `stop`
+# (the signal's number), `failure` (a replica's line and exit code) and `stage-N` (what replica N is doing).
 @contextlib.contextmanager
-def run_files(args):
-    """The stop and failure files, named in the environment that replicas inherit, the signal handlers, and with
-    --smoke the deadline, which starts before any runtime does. None of them outlives the run (a notebook's might)."""
-    os.environ["TRAIN_TPU_FILES"] = folder = tempfile.mkdtemp(prefix="train_tpu-")
-    os.environ["TRAIN_TPU_DEADLINE"] = str(time.time() + args.smoke_timeout if args.smoke else 0)
-    PROCESS.update(timers=[], checks=None, stage=None, rank=None, world=1)
-    handlers = take_signals()
-    start_deadline()
+def run_control(args):
+    """The control folder, the signal handlers and the deadline, for the run's length: a notebook that calls fit()
+    keeps its own handlers."""
+    args.control = tempfile.mkdtemp(prefix="train_tpu-")
+    timers = []
+    handlers = {}
+
+    def on_signal(signum, frame):  # the first asks every replica to save and stop at its next log boundary
+        if stop_signal(args):
+            end_now(args, 128 + signum, f"stopped by a second {signal.Signals(signum).name}, at once: nothing saved")
+        write_file(args, "stop", str(signum))
+        late = f"stopped by {signal.Signals(signum).name}: no log boundary within {STOP_GRACE} s, nothing saved"
+        timers.append(start_timer(STOP_GRACE, end_now, args, 128 + signum, late))
+
+    if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    if args.smoke:
+        timers.append(start_timer(args.smoke_timeout, deadline_passed, args))
     try:
         yield
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        for timer in PROCESS["timers"]:
+        for timer in timers:
             timer.cancel()
-        del os.environ["TRAIN_TPU_FILES"], os.environ["TRAIN_TPU_DEADLINE"]
-        shutil.rmtree(folder, ignore_errors=True)
-def take_signals():  # a main thread only: Python refuses signal handlers in any other
-    if threading.current_thread() is threading.main_thread():
-        return {s: signal.signal(s, on_stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    return {}
-def on_stop_signal(signum, frame):
-    """The first signal asks every replica to save and stop at its next log boundary. A second, one while a failed run
-    is torn down, or STOP_GRACE seconds without a boundary, end the process at once."""
-    if any(t.function is os._exit for t in PROCESS["timers"]) or os.path.exists(run_file("failure")):
-        os._exit(128 + signum)
-    with open(run_file(f"stop.{os.getpid()}"), "w") as f:
-        f.write(str(signum))
-    os.replace(run_file(f"stop.{os.getpid()}"), run_file("stop"))  # whole, or not there
-    start_timer(STOP_GRACE, os._exit, 128 + signum)
-def run_file(name):
-    return os.path.join(os.environ["TRAIN_TPU_FILES"], name)
-def agree_to_stop(run):
-    """The stop signal's number once any replica has seen one, else 0; the same on every replica, as one that stopped
-    alone would leave the others waiting in an all-reduce."""
-    signum = int(open(run_file("stop")).read()) if os.path.exists(run_file("stop")) else 0
-    if run.world == 1:
-        return signum
-    torch_xla.sync()  # cut the step's graph where MpDeviceLoader would: the same graphs
-    agreed = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([signum], device=run.device))
-    return int(agreed.cpu())  # a deliberate wait: at log boundaries, with replicas only
-def stopped(signum, epoch, step, args):
-    return TrainingFailed(f"stopped by {signal.Signals(signum).name} at epoch {epoch} step {step}, checkpoint saved: "
-                          f"continue with --resume {args.out_dir}", 128 + signum)
-def end_this_replica(code, line):
-    """One failing replica ends the run, instead of the others waiting in an all-reduce for ever: it writes its line
-    and ends its process; xmp.spawn's process pool then ends the others and raises in the launcher."""
-    with open(run_file("failure"), "a") as f:
-        f.write(json.dumps([line, code]) + "\n")
-    if multiprocessing.parent_process() is None:  # no launcher to say it: say it here
-        print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
-def runtime_failure(args, e):  # no replica knew its place: the runtime did not start (a TPU held by another, say)
-    if PROCESS["rank"] is None:
-        return UsageError(f"the {args.kind} runtime did not start: {str(e).strip().splitlines()[0]}")
-def replica_failure():  # in the launcher, once xmp.spawn has raised: the first failing replica's line and code
-    if os.path.exists(run_file("failure")):
-        with open(run_file("failure")) as f:
-            return TrainingFailed(*json.loads(f.readline()))
+        shutil.rmtree(args.control, ignore_errors=True)
 
-# ---- the smoke verdict: is this machine fit to train on? ----------------------------------------------------------
-def start_deadline():  # --smoke never hangs: every process of the run times the deadline, set before any runtime
-    if float(os.environ.get("TRAIN_TPU_DEADLINE", 0)):
-        start_timer(float(os.environ["TRAIN_TPU_DEADLINE"]) - time.time(), deadline_passed)
+
+def write_file(args, name, text):  # whole, or not there: another process may read it at any moment
+    path = os.path.join(args.control, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def read_files(args, prefix):  # {name: text} of the control files whose names start with `prefix`
+    found = {}
+    for name in os.listdir(args.control):
+        if name.startswith(prefix) and not name.endswith(".tmp"):
+            with open(os.path.join(args.control, name)) as f:
+                found[name] = f.read()
+    return found
+
+
+def stop_signal(args):  # the stop signal's number, 0 if none came
+    return int(read_files(args, "stop").get("stop", 0))
+
+
+def set_stage(run, stage):  # what the deadline names, should it pass
+    write_file(run.args, f"stage-{run.rank}", stage)
+
+
 def start_timer(seconds, action, *args):  # a daemon thread: the process never waits for it
-    PROCESS["timers"].append(timer := threading.Timer(seconds, action, args))
+    timer = threading.Timer(seconds, action, args)
     timer.daemon = True
     timer.start()
-def deadline_passed():  # the stage then running FAILs, the master prints the verdict, and the process exits 5
-    stage, args = PROCESS["stage"], PROCESS["args"]
+    return timer
+
+
+def end_now(args, code, line):
+    """Ends the run at once, saving nothing. Replica processes are killed (one left behind would hold the TPU), so
+    xmp.spawn raises in the launcher, which exits with this line. A replica in this process cannot be stopped: it ends
+    here."""
+    children = multiprocessing.active_children()
+    if not children:
+        print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
+        os._exit(code)
+    with contextlib.suppress(FileExistsError), open(os.path.join(args.control, "failure"), "x") as f:
+        json.dump([code, line], f)
+    for child in children:
+        child.kill()
+    start_timer(10, os._exit, code)  # should the launcher not get there
+
+
+def agree(run, *values):
+    """Each value's largest over the replicas: the same decision on every replica, as one that stopped alone would
+    leave the others waiting in an all-reduce. Sent as float32: TPUs all-reduce no int64 (pytorch/xla#1952)."""
+    if run.world == 1:
+        return list(values)
+    torch_xla.sync()  # cut the step's graph where MpDeviceLoader would: the same graphs
+    agreed = xm.all_reduce(xm.REDUCE_MAX, torch.tensor(values, dtype=torch.float32, device=run.device))
+    return [int(v) for v in agreed.cpu().tolist()]  # a deliberate wait: at log boundaries, with replicas only
+
+
+def stop_exit(signum, epoch, step, args):
+    where = f"at epoch {epoch} step {step}, checkpoint saved"
+    return Exit(
+        128 + signum, f"stopped by {signal.Signals(signum).name} {where}: continue with --resume {args.out_dir}"
+    )
+
+
+def fail_alone(run, e):
+    """This replica failed where the others go on to their next all-reduce, and would wait for it there for ever: it
+    writes its line for the launcher (the first failing replica's stays) and ends its process, after which xmp.spawn's
+    process pool ends the others."""
+    code, line = describe(e)
+    with contextlib.suppress(FileExistsError), open(os.path.join(run.args.control, "failure"), "x") as f:
+        json.dump([code, f"replica {run.rank}: {line}"], f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def why_replicas_ended(args, e):
+    """Why the replicas ended, as an Exit, when xmp.spawn (or train) raised `e` and not an agreed Exit."""
+    failure = os.path.join(args.control, "failure")
+    if os.path.exists(failure):
+        with open(failure) as f:
+            return Exit(*json.load(f))
+    if not read_files(args, "stage-"):  # no replica reached its device
+        return Exit(2, f"error: the {args.kind} runtime did not start: {first_line(e)}")
+    if isinstance(e, BrokenProcessPool):
+        return Exit(1, "failed: a replica process died without a word (killed? out of memory?); its checkpoints stay")
+    return None
+
+
+# ---- the smoke verdict: is this machine fit to train on? ----------------------------------------------------------
+def deadline_passed(args):
+    """--smoke-timeout has passed: the stage that the replicas are in FAILs (the lowest replica's, if they differ)."""
+    stages = read_files(args, "stage-")
+    stage = "devices"
+    if stages:
+        stage = stages[min(stages, key=lambda name: int(name.split("-")[1]))]
     line = f"{stage} did not finish within --smoke-timeout"
-    try:  # the master's table (before the runtime is up, every process's)
-        if args and is_master():
-            failed = dict(name=stage, passed=False, figure=f"{line} {args.smoke_timeout:g} s")
-            publish(args, (PROCESS["checks"] or []) + [failed])
-    finally:
-        end_this_replica(5, f"failed: smoke verdict FAIL: {line}")  # xmp.spawn's pool then ends the other replicas
+    publish(args, [dict(name=stage, passed=False, figure=f"{line} {args.smoke_timeout:g} s")])
+    end_now(args, 5, f"failed: smoke verdict FAIL: {line}")
+
+
 def finish(run):  # the run's end: the smoke verdict (exit 5), or --target-accuracy (exit 21)
-    accuracy = run.log.accuracy
-    print0(f"done | {run.args.epochs} epochs | test accuracy " + ("n/a" if accuracy is None else f"{accuracy:.2f}%"))
-    if run.args.smoke:
+    args = run.args
+    accuracy = run.log.accuracy or 0.0
+    xm.master_print(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%", flush=True)
+    if args.smoke:
         smoke_verdict(run)
-    elif (accuracy or 0) < run.args.target_accuracy:
-        raise TrainingFailed(f"failed: test accuracy {accuracy or 0:.2f}% is below --target-accuracy "
-                             f"{run.args.target_accuracy:g}", 21)
+    elif accuracy < args.target_accuracy:
+        raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
+
+
 def smoke_verdict(run):
-    """The checks, each a PASS, FAIL or SKIP with its figure; every replica's, combined. Exit 5 if one FAILs."""
-    args, accuracy, losses, ops = run.args, run.log.accuracy, run.log.history, fallback_ops()
-    k, allowed, checks = max(1, len(losses) // 4), args.max_recompiles or 0, []
-    if is_master():
-        PROCESS["checks"] = checks  # for the deadline's table
-    before, after = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    for name, test in (("devices", check_devices), ("numerics", check_numerics), ("checkpoint", check_checkpoint)):
-        PROCESS["stage"] = name  # (the deadline's name for what runs)
-        checks.append(dict(zip(("name", "passed", "figure"), (name, *test(run)))))
-    checks += [dict(name="compilation", passed=run.log.recompiles <= allowed and ops == "none",
-                    figure=f"{run.log.recompiles} graphs compiled after warm-up (allowed {allowed}), CPU fallback ops: "
-                    f"{ops}"),
-               dict(name="learning", passed=after < before and accuracy >= args.target_accuracy, figure=f"loss "
-                    f"{before:.3f} -> {after:.3f} (first and last {k} steps), test accuracy {accuracy:.2f}% (target "
-                    f"{args.target_accuracy:g}%)")]
+    """The checks, each a PASS, FAIL or SKIP (None) with its figure; every replica's, combined. Exit 5 if one FAILs."""
+    checks = []
+    for name, check in (
+        ("devices", check_devices),
+        ("numerics", check_numerics),
+        ("checkpoint", check_checkpoint),
+        ("compilation", check_compilation),
+        ("learning", check_learning),
+    ):
+        set_stage(run, name)
+        passed, figure = check(run)
+        checks.append(dict(name=name, passed=passed, figure=figure))
+    set_stage(run, "verdict")
     combine_replicas(run, checks)
-    if is_master():
-        publish(args, checks)
-    if failed := [c["name"] for c in checks if c["passed"] is False]:
-        raise TrainingFailed(f"failed: smoke verdict FAIL: {', '.join(failed)}", 5)
-def check_devices(run):  # the devices found, against what the PCI bus and the TPU metadata say the slice holds
-    found = xr.global_runtime_device_count()  # (world_size() equals it by construction: it cannot see a missing chip)
+    if run.rank == 0:
+        publish(run.args, checks)
+    failed = [c["name"] for c in checks if c["passed"] is False]
+    if failed:
+        raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
+
+
+def check_devices(run):
+    """The devices the runtime found, against what the TPU metadata says the slice holds. Not the PCI bus: xmp.spawn
+    counts chips there too, so a chip missing from it would lower both numbers."""
+    found = xr.global_runtime_device_count()  # (world_size() equals it by construction)
     if run.args.kind != "TPU" or run.args.cores == 1:
         return None, f"{found} {run.args.kind} device(s); skipped off a TPU, or at --cores 1"
-    from torch_xla._internal import tpu
-    expected = tpu.num_expected_global_devices()  # chips on this host x cores per chip x hosts
-    return found == expected, f"{found} TPU devices found, {expected} in the slice"
+    bounds = tpu.get_tpu_env().get("CHIPS_PER_HOST_BOUNDS")  # e.g. "2,2,1": the tpu-env metadata
+    if not bounds:
+        return None, f"{found} TPU devices; skipped: the TPU metadata has no CHIPS_PER_HOST_BOUNDS"
+    chips = math.prod(int(n) for n in bounds.split(","))
+    per_chip = tpu.num_logical_cores_per_chip()  # from the metadata's ACCELERATOR_TYPE: 2 on v2/v3, else 1
+    hosts = tpu.num_tpu_workers()  # the metadata's worker-network-endpoints
+    expected = chips * per_chip * hosts
+    return found == expected, (
+        f"{found} TPU devices found, {expected} in the slice: {chips} chips per host (metadata CHIPS_PER_HOST_BOUNDS "
+        f"{bounds}) x {per_chip} devices per chip (metadata ACCELERATOR_TYPE) x {hosts} hosts (metadata workers)"
+    )
+
+
 def check_numerics(run):
-    """The first step from the run's initial weights (its seed) and first batch, on the device and in eager PyTorch on
-    the host: logits, loss and weight update (-lr x gradient), each compared by norm."""
-    images, labels = load_split(run.args, train=True)
-    torch.manual_seed(run.args.seed)
-    state, results = build_model(run.args).state_dict(), []
+    """The first step from the run's initial weights and first batch, on the device and in eager PyTorch on the host:
+    logits, loss and weight update (-lr x gradient), each compared by norm."""
+    args = run.args
+    images, labels = load_split(args, train=True)
+    state = initial_model(args).state_dict()
+    results = []
     for device in (run.device, torch.device("cpu")):
-        model = build_model(run.args).to(device)
+        model = build_model(args).to(device)
         model.load_state_dict(state)
-        with torch.autocast(device.type, torch.bfloat16, enabled=run.args.bf16):
-            logits = model(model_input(images[:run.load_batch].to(device)))
-            loss = F.cross_entropy(logits, labels[:run.load_batch].to(device))
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
+            logits = model(model_input(images[: run.load_batch].to(device)))
+            loss = F.cross_entropy(logits, labels[: run.load_batch].to(device))
         loss.backward()
-        update = torch.cat([-run.args.lr * p.grad.flatten() for p in model.parameters()])
+        update = torch.cat([-args.lr * p.grad.flatten() for p in model.parameters()])
         results.append([t.detach().float().cpu() for t in (logits, loss, update)])
-    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(*results)]
-    # float32 on the CPU agrees to rounding; TPU matmuls default to one bfloat16 pass, and --bf16 rounds both sides.
-    # A wrong weight or layout (the seed thread's symptom) moves these by O(1).
-    tol = 5e-2 if run.args.bf16 else 1e-5 if run.args.kind == "CPU" else 2e-2
-    return max(diffs) <= tol, (f"first step, device vs eager CPU, relative by norm: logits {diffs[0]:.1e}, loss "
-                               f"{diffs[1]:.1e}, update {diffs[2]:.1e} (tolerance {tol:.0e})")
+    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True)]
+    tol = tolerance(args)
+    figure = f"logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, update {diffs[2]:.1e} (tolerance {tol:.0e})"
+    return max(diffs) <= tol, f"first step, device vs eager CPU, relative by norm: {figure}"
+
+
 def check_checkpoint(run):  # the newest checkpoint, read back from disk: the weights and momentum in memory?
-    if not is_master():
+    if run.rank != 0:
         return None, "read back by the master"
-    saved = read_checkpoint(path := find_checkpoint(run.args.out_dir))
-    pairs = [(t, saved["model"][k]) for k, t in run.model.state_dict().items()] + [
-        (s["momentum_buffer"], saved["optimizer"]["state"][i]["momentum_buffer"])
-        for i, s in run.optimizer.state_dict()["state"].items()]
+    path = find_checkpoint(run.args.out_dir)
+    saved = read_checkpoint(path)
+    pairs = [(t, saved["model"][name]) for name, t in run.model.state_dict().items()]
+    for i, state in run.optimizer.state_dict()["state"].items():
+        pairs.append((state["momentum_buffer"], saved["optimizer"]["state"][i]["momentum_buffer"]))
     same = sum(torch.equal(a.cpu(), b) for a, b in pairs)
     return same == len(pairs), f"{path} read back: {same}/{len(pairs)} tensors identical"
-def combine_replicas(run, checks):  # a check fails if it failed on any replica: one other than 0 must not go unseen
-    if run.world > 1:
-        PROCESS["stage"] = "verdict"
-        failed = torch.zeros(run.world, len(checks))
-        failed[run.rank] = torch.tensor([float(c["passed"] is False) for c in checks])
-        torch_xla.sync()
-        failed = xm.all_reduce(xm.REDUCE_SUM, failed.to(run.device)).cpu()
-        for c, column in zip(checks, failed.T):
-            if where := column.nonzero().flatten().tolist():
-                c["passed"], c["figure"] = False, f"{c['figure']} | FAILED on replica(s) {where}"
-def publish(args, checks):  # the table, and OUT/verdict.json: {"passed", "checks": [{"name", "passed", "figure"}]}
-    mark, passed = {True: "PASS", False: "FAIL", None: "SKIP"}, all(c["passed"] is not False for c in checks)
-    print("smoke verdict\n" + "".join(f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}\n" for c in checks)
-          + f"smoke verdict: {mark[passed]}", flush=True)
-    with open(os.path.join(args.out_dir, "verdict.json.tmp"), "w") as f:
-        json.dump({"passed": passed, "checks": checks}, f, indent=1)
-    os.replace(os.path.join(args.out_dir, "verdict.json.tmp"), os.path.join(args.out_dir, "verdict.json"))
 
-# ---- from Python: the results back in the caller (the fastai discussion's point) ----------------------------------
+
+def check_compilation(run):
+    allowed = run.args.max_recompiles or 0
+    ops = fallback_ops()
+    passed = run.log.recompiles <= allowed and ops == "none"
+    figure = f"{run.log.recompiles} graphs compiled after warm-up in this process (allowed {allowed})"
+    return passed, f"{figure}, CPU fallback ops: {ops}"
+
+
+def check_learning(run):
+    losses = run.log.history
+    accuracy = run.log.accuracy
+    target = run.args.target_accuracy
+    k = max(1, len(losses) // 4)
+    before = sum(losses[:k]) / k
+    after = sum(losses[-k:]) / k
+    passed = after < before and accuracy >= target
+    figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} steps)"
+    return passed, f"{figure}, test accuracy {accuracy:.2f}% (target {target:g}%)"
+
+
+def combine_replicas(run, checks):  # a check fails if it failed on any replica: one other than 0 must not go unseen
+    if run.world == 1:
+        return
+    failed = torch.zeros(run.world, len(checks))
+    failed[run.rank] = torch.tensor([float(c["passed"] is False) for c in checks])
+    torch_xla.sync()
+    failed = xm.all_reduce(xm.REDUCE_SUM, failed.to(run.device)).cpu()
+    for check, column in zip(checks, failed.T, strict=True):
+        where = column.nonzero().flatten().tolist()
+        if where:
+            check["passed"] = False
+            check["figure"] += f" | FAILED on replica(s) {where}"
+
+
+def publish(args, checks):
+    """The verdict's table, and OUT/verdict.json: {"passed", "checks": [{"name", "passed", "figure"}]}."""
+    mark = {True: "PASS", False: "FAIL", None: "SKIP"}
+    passed = all(c["passed"] is not False for c in checks)
+    rows = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in checks]
+    print("\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]), flush=True)
+    path = os.path.join(args.out_dir, "verdict.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"passed": passed, "checks": checks}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+# ---- from Python: the results back in the caller ------------------------------------------------------------------
 def fit(**flags):
     """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
-    host) and the per-step history. It raises UsageError or TrainingFailed where main() exits non-zero, but for a
-    failed smoke verdict, which comes back in .verdict."""
-    args = parse_args([f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in flags.items()
-                       if v is not False and v is not None])
+    host), its per-step history and epochs, and with smoke=True the verdict. It raises Exit where main() would exit
+    non-zero, but for a failed smoke verdict, which comes back in .verdict."""
+    argv = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(value)
+    args = parse_args(argv)
     try:
         launch(args)
-    except TrainingFailed as e:
+    except Exit as e:
         if e.code != 5:
             raise
     model = build_model(args)
     model.load_state_dict(read_checkpoint(find_checkpoint(args.out_dir))["model"])
-    verdict = json.load(open(os.path.join(args.out_dir, "verdict.json"))) if args.smoke else None
+    verdict = None
+    if args.smoke:
+        with open(os.path.join(args.out_dir, "verdict.json")) as f:
+            verdict = json.load(f)
     return types.SimpleNamespace(model=model, out_dir=args.out_dir, verdict=verdict, **read_metrics(args.out_dir))
 
-if "TRAIN_TPU_FILES" in os.environ and multiprocessing.parent_process() is not None:
-    # A replica process of xmp.spawn, importing this file in its main thread before its runtime starts: the one place
-    # where it can take signals, and time the smoke deadline from.
-    take_signals()
-    start_deadline()
+
+# A replica process of xmp.spawn imports this file before it runs anything (as __mp_main__ under `python train_tpu.py`).
+# A preemption sends SIGTERM to the whole process group, and Ctrl-C sends SIGINT: the launcher takes them, and tells
+# the replicas. Here, the one place where a replica process can, it ignores them, instead of dying before it saves.
+if multiprocessing.current_process().name != "MainProcess":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 if __name__ == "__main__":
     exit_code = main()
