@@ -214,14 +214,18 @@ def add(log, step, loss):  # replica 1 fails alone, at epoch 3 step 2
     real_add(log, step, loss)
 tt.Log.add = add
 """
-REPLICA_1_KILLED = """
-real_add = tt.Log.add
-def add(log, step, loss):  # replica 1's process is killed, as the OOM killer would, at epoch 2 step 12
-    if log.run.rank == 1 and (log.epoch, step) == (2, 12):
+KILLED_MID_WRITE = """
+real_save = xm.save
+def save(data, path, **kw):  # the process is killed (as the OOM killer would) while the master writes epoch 2 step 10
+    if xr.global_ordinal() == 0 and (data["epoch"], data["samples"]) == (2, 640):
+        open(path, "wb").write(b"the first bytes of a checkpoint")
         os.kill(os.getpid(), signal.SIGKILL)
-    real_add(log, step, loss)
-tt.Log.add = add
+    real_save(data, path, **kw)
+xm.save = save
 """
+TWO_KILLED = (
+    "--data synthetic --epochs 2 --steps-per-epoch 15 --batch-size 32 --log-steps 5 --save-steps 5 --out-dir two-killed"
+)
 REPLICA_1_NUMERICS = """
 real_numerics = tt.check_numerics
 def check_numerics(run):  # replica 1's device computes the first step wrong
@@ -275,29 +279,16 @@ def runs(tmp_path_factory):
         return stop, saved, world_of_two(root, "--resume", "two", patch=REPLICA_1_FAILS)
 
     jobs = {
+        "two": two_stopped_then_one_fails,  # the longest first
         "straight": straight,
         "sigterm": lambda: stopped(signal.SIGTERM, "epoch 2 step 2/"),
         "kill": lambda: stopped(signal.SIGKILL, "epoch 2 step 10/"),
-        "two": two_stopped_then_one_fails,
         "two_smoke": lambda: world_of_two(
-            root, "--smoke", "--out-dir", "two-smoke", patch=SLOW_MASTER + REPLICA_1_NUMERICS
-        ),
-        "two_killed": lambda: world_of_two(
             root,
-            "--data",
-            "synthetic",
-            "--epochs",
-            2,
-            "--steps-per-epoch",
-            20,
-            "--log-steps",
-            5,
-            "--save-steps",
-            5,
-            "--out-dir",
-            "two-killed",
-            patch=REPLICA_1_KILLED,
+            *["--smoke", "--steps-per-epoch", "20", "--out-dir", "two-smoke"],
+            patch=SLOW_MASTER + REPLICA_1_NUMERICS,
         ),
+        "two_killed": lambda: world_of_two(root, *TWO_KILLED.split(), patch=KILLED_MID_WRITE),
         "two_stall": lambda: world_of_two(
             root, "--smoke", "--smoke-timeout", 8, "--out-dir", "two-stall", patch=STALL, timeout=120
         ),
@@ -331,10 +322,18 @@ def runs(tmp_path_factory):
     }
     only = os.environ.get("RUNS_ONLY", ",".join(jobs)).split(",")  # when working on one property
     with ThreadPoolExecutor(max_workers=3) as pool:  # on 2 cores: imports and signals leave some idle
-        futures = {name: pool.submit(job) for name, job in jobs.items() if name in only}
-        results = dict({name: future.result() for name, future in futures.items()}, root=root)
+        futures = {name: pool.submit(timed, job) for name, job in jobs.items() if name in only}
+        results = {name: future.result()[0] for name, future in futures.items()}
+    seconds = {name: round(future.result()[1]) for name, future in futures.items()}
+    (root / "seconds.json").write_text(json.dumps(seconds))  # where the suite's time goes
+    results["root"] = root
     (root / "runs.pickle").write_bytes(pickle.dumps(results))
     return results
+
+
+def timed(job):
+    start = time.perf_counter()
+    return job(), time.perf_counter() - start
 
 
 def interrupt(command, when, signum, cwd, **popen):
@@ -636,6 +635,24 @@ def test_a_torch_xla_that_fails_to_import_or_lacks_libtpu_on_a_tpu_vm_exits_2(po
     monkeypatch.setattr(tt, "USER_DEVICE", "CPU")  # the user's own PJRT_DEVICE is respected
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     assert tt.check_environment(tt.parse_args(["--cores", "1"])) == ("CPU", 1, 1)
+
+
+def test_an_import_of_torch_xla_that_raises_anything_exits_2_in_one_line(tmp_path):
+    """On a TPU VM `import torch_xla` reads the metadata server, and raises what requests raises when it cannot."""
+    (tmp_path / "torch_xla").mkdir()
+    (tmp_path / "torch_xla" / "__init__.py").write_text("raise ConnectionError('Max retries exceeded\\nmore')\n")
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "train_tpu.py"), "--cores", "1"],
+        cwd=tmp_path,
+        env=env(PYTHONPATH=tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "train_tpu.py: error: import torch_xla failed: ConnectionError: Max retries exceeded (on a TPU VM it reads the "
+        "VM's metadata)"
+    ]
 
 
 def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
@@ -994,7 +1011,7 @@ def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_wri
         ("learning", True),
     ]
     assert verdict["checks"][1]["figure"].endswith("| FAILED on replica(s) [1]")
-    assert "2 devices, a replica each | global batch 256 | lr 0.05 | 40 steps per epoch" in out
+    assert "2 devices, a replica each | global batch 256 | lr 0.05 | 20 steps per epoch" in out
     model = tt.ToyModel()
     model.load_state_dict(final(runs["root"] / "two-smoke")["model"])
     loss, accuracy = eager_test(model, tt.parse_args(["--data", "synthetic"]))
@@ -1002,15 +1019,15 @@ def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_wri
     assert len(re.findall(r"compiles in this process .* CPU fallback ops: none\n", out)) == 2
 
 
-def test_a_replica_process_that_is_killed_ends_the_run_with_exit_1_and_its_checkpoints_stay(runs):
+def test_a_replica_process_killed_mid_write_ends_the_run_with_exit_1_and_the_last_whole_checkpoint_stays(runs):
     code, out, err, left = runs["two_killed"]
     assert code == 1 and not left, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         "train_tpu.py: failed: a replica process died without a word (killed? out of memory?); its checkpoints stay"
     )
-    newest = tt.find_checkpoint(str(runs["root"] / "two-killed"))
-    assert newest.endswith("checkpoint-0002-000002560.pt")  # 10 steps of 256 samples, whole: the rename came last
-    assert final(runs["root"] / "two-killed")["samples"] == 2560
+    out_dir = runs["root"] / "two-killed"
+    assert tt.find_checkpoint(str(out_dir)).endswith("checkpoint-0002-000000320.pt")  # 5 steps of 64: not the torn one
+    assert final(out_dir)["samples"] == 320
 
 
 def test_a_stalled_stage_fails_by_name_once_at_the_deadline_and_no_replica_process_outlives_the_launcher(runs):
@@ -1039,11 +1056,10 @@ def test_sigterm_to_the_process_group_of_python_train_tpu_py_saves_and_exits_143
 
 def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(runs):
     """A save every N steps never lands on the epoch's last step (the epoch's end saves): --resume would refuse it."""
-    for folder in ("base", "two", "two-killed", "stop-SIGTERM"):
+    for folder, devices in (("base", 1), ("stop-SIGTERM", 1), ("two", 2), ("two-killed", 2)):
         for path in tt.checkpoints(str(runs["root"] / folder)):
             ckpt = tt.read_checkpoint(path)
-            batch = ckpt["config"]["batch_size"] * (1 if folder == "base" or folder.startswith("stop") else 2)
-            steps, rest = divmod(ckpt["samples"], batch)
+            steps, rest = divmod(ckpt["samples"], ckpt["config"]["batch_size"] * devices)
             assert rest == 0 and steps < ckpt["config"]["steps_per_epoch"], path
 
 

@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     one_or_more = in_range(int, ">= 1", lambda v: v >= 1)
     zero_or_more = in_range(int, ">= 0", lambda v: v >= 0)
+    positive = in_range(float, "> 0", lambda v: v > 0)
     # devices and data
     p.add_argument("--cores", type=one_or_more, help="1: one device, in this process; default: every device")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
@@ -71,22 +72,20 @@ def parse_args(argv=None):
     # training
     p.add_argument("--epochs", type=one_or_more, default=3)
     p.add_argument("--batch-size", type=one_or_more, default=128, help="samples per device per step")
-    p.add_argument("--lr", type=in_range(float, "> 0", lambda v: v > 0), default=0.05, help="not scaled by devices")
+    p.add_argument("--lr", type=positive, default=0.05, help="as given: not scaled by the number of devices")
     p.add_argument("--momentum", type=in_range(float, "in [0, 1)", lambda v: 0 <= v < 1), default=0.9)
     p.add_argument("--steps-per-epoch", type=one_or_more, help="cut every epoch after N steps")
     p.add_argument("--seed", type=zero_or_more, default=0, help="seeds the weights, shuffles and layerdrop's coins")
     p.add_argument("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
-    p.add_argument(
-        "--target-accuracy", type=in_range(float, ">= 0", lambda v: v >= 0), default=0.0, help="exit 21 below"
-    )
+    p.add_argument("--target-accuracy", type=in_range(float, ">= 0", lambda v: v >= 0), default=0.0, help="exit 21")
     # layerdrop: a graph that changes from step to step recompiles
-    p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help=LAYERDROP_HELP)
+    p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="README.md: Layerdrop")
     p.add_argument("--layerdrop-prob", type=in_range(float, "in [0, 1]", lambda v: 0 <= v <= 1), default=0.5)
     p.add_argument("--max-recompiles", type=zero_or_more, help="exit 3 if more graphs compile after the first epoch")
     # the smoke test
     presets = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in SMOKE.items())
     p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 0 or 5; presets: {presets}")
-    p.add_argument("--smoke-timeout", type=in_range(float, "> 0", lambda v: v > 0), default=900.0, help=DEADLINE_HELP)
+    p.add_argument("--smoke-timeout", type=positive, default=900.0, help="seconds, from before any device starts")
     # logging, checkpoints, preemption
     p.add_argument("--log-steps", type=one_or_more, default=20, help="log every N steps")
     p.add_argument("--out-dir", help="the run folder (default: runs/<time>, or the resumed run's)")
@@ -101,10 +100,6 @@ def parse_args(argv=None):
         p.set_defaults(**read_checkpoint(find_checkpoint(args.resume))["config"])
         args = p.parse_args(argv)
     return args
-
-
-LAYERDROP_HELP = "dynamic: coin flips on the host, a graph per count kept; static: the same drops in one graph"
-DEADLINE_HELP = "seconds from before any device starts; then the smoke stage running FAILs"
 
 
 # ---- data: your own goes here (edit 1 of 2) -----------------------------------------------------------------------
@@ -249,7 +244,7 @@ def train_epoch(run, loader, epoch, skip, last):
         saving = args.save_steps is not None and step % args.save_steps == 0
         if step == last or not (at_boundary or saving):
             continue  # (the epoch's end evaluates, saves, and takes a stop)
-        [signum] = agree(run, stop_signal(args))
+        [signum] = agree(run, args.control.stop_signal())
         if signum:
             save(run, epoch, step)  # a stop saves without evaluating
             raise stop_exit(signum, epoch, step, args)
@@ -275,15 +270,15 @@ def train(run):
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run, steps)
     mode = "SPMD" if run.mesh is not None else "a replica each"
-    xm.master_print(
+    where = f"out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}"
+    print0(
         f"{args.kind} | {run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr} | "
-        f"{steps} steps per epoch | out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}",
-        flush=True,
+        f"{steps} steps per epoch | {where}"
     )
     first_epoch, skip = 1, 0
     if args.resume:
         first_epoch, skip = resume(run, steps)
-    set_stage(run, "training")
+    args.control.set_stage(run.rank, "training")
     for epoch in range(first_epoch, args.epochs + 1):
         loader.sampler.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
         train_epoch(run, loader, epoch, skip, steps)
@@ -291,7 +286,7 @@ def train(run):
         test = evaluate(run)
         path = save(run, epoch + 1, 0, test)
         run.log.end_epoch(epoch, test, path)
-        recompiles, signum = agree(run, run.log.recompiles, stop_signal(args))
+        recompiles, signum = agree(run, run.log.recompiles, args.control.stop_signal())
         if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
             why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
             raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
@@ -306,7 +301,7 @@ def main(argv=None):
         launch(parse_args(argv))
     except (Exception, KeyboardInterrupt) as e:
         code, line = describe(e)
-        print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
+        print(f"train_tpu.py: {line}", file=sys.stderr)
         return code
     return 0
 
@@ -393,6 +388,10 @@ def in_range(kind, rule, ok):
     return parse
 
 
+def print0(*args):  # the master prints; replica processes' output is piped: flush at once
+    xm.master_print(*args, flush=True)
+
+
 def first_line(e):
     lines = str(e).strip().splitlines()
     if not lines:
@@ -447,16 +446,15 @@ def prepare_out_dir(args):
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     if args.out_dir is None:
         args.out_dir = resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if holds_run(args.out_dir) and resumed != os.path.abspath(args.out_dir):
+    holds_run = os.path.isdir(args.out_dir) and (
+        checkpoints(args.out_dir) or "metrics.jsonl" in os.listdir(args.out_dir)
+    )
+    if holds_run and resumed != os.path.abspath(args.out_dir):
         raise Exit(2, f"error: --out-dir {args.out_dir} holds a run: continue it with --resume, or name another folder")
     try:
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:
         raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
-
-
-def holds_run(folder):
-    return os.path.isdir(folder) and (checkpoints(folder) or "metrics.jsonl" in os.listdir(folder))
 
 
 def start_replica(args, spmd):
@@ -475,7 +473,7 @@ def start_replica(args, spmd):
     run.load_batch = args.batch_size  # what this process loads per step
     if spmd:
         run.load_batch = run.global_batch
-    set_stage(run, "devices")  # the launcher now knows that this replica's runtime started
+    run.args.control.set_stage(run.rank, "devices")  # the launcher now knows that this replica's runtime started
     return run
 
 
@@ -582,7 +580,7 @@ class Log:
         self.times[self.last] = time.perf_counter()
 
     def print_step(self, step):
-        xm.master_print(f"epoch {self.epoch} step {step}/{self.last} | loss {self.losses[step]:.4f}", flush=True)
+        print0(f"epoch {self.epoch} step {step}/{self.last} | loss {self.losses[step]:.4f}")
 
     def read(self, upto=None):
         """Reads back the losses up to step `upto` (all when None), and frees them: a live tensor per step would slow
@@ -616,12 +614,11 @@ class Log:
             seconds_timed = self.times[self.last] - self.times[self.timed_from]
             rate = (self.last - self.timed_from) * self.run.global_batch / seconds_timed
         speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
-        xm.master_print(
+        print0(
             f"epoch {epoch} done | test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} "
             f"samples) | {speed} | checkpoint {path}\n"
             f"epoch {epoch} compiles in this process | this epoch {total - self.compiles_at_start} | recompiles after "
             f"warm-up {self.recompiles} | {seconds:.1f} s compiling in all | CPU fallback ops: {ops}",
-            flush=True,
         )
         if self.board:
             compiled = total - self.compiles_at_start
@@ -774,23 +771,19 @@ def resume(run, steps):
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
     test = NOT_TESTED
     if ckpt["test_loss"] is None:
-        xm.master_print("resume check | skipped: saved on a stop, with no test loss measured", flush=True)
+        print0("resume check | skipped: saved on a stop, with no test loss measured")
     elif (ckpt["config"]["data"], ckpt["config"]["data_dir"]) != (args.data, args.data_dir):
-        xm.master_print("resume check | skipped: the checkpoint was evaluated on other --data", flush=True)
+        print0("resume check | skipped: the checkpoint was evaluated on other --data")
     else:
         test = evaluate(run)
         saved = ckpt["test_loss"]
         tol = tolerance(args, ckpt["device"])
-        xm.master_print(
-            f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})", flush=True
-        )
+        print0(f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
         if not abs(test.loss - saved) <= tol:
             raise Exit(4, f"failed: resume check: {path} gives test loss {test.loss:.6f}, and was saved at {saved:.6f}")
     if os.path.isdir(path) != (run.mesh is not None):  # the other format: convert it now
-        xm.master_print(f"resume | converted, saved as {save(run, ckpt['epoch'], done, test)}", flush=True)
-    xm.master_print(
-        f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}", flush=True
-    )
+        print0(f"resume | converted, saved as {save(run, ckpt['epoch'], done, test)}")
+    print0(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
     return ckpt["epoch"], done
 
 
@@ -806,23 +799,55 @@ def tolerance(args, other_device="CPU"):
 
 
 # ---- run control: stop signals, a failing replica, the smoke deadline ---------------------------------------------
-# The launcher (this process) alone takes SIGTERM and Ctrl-C, and times --smoke's deadline. Replicas may run in other
-# processes (xmp.spawn, a process per TPU chip), where they ignore those signals (see the file's end) and run in pool
-# threads, which cannot take signals at all. So the launcher and the replicas meet in a folder of small files: `stop`
-# (the signal's number), `failure` (a replica's line and exit code) and `stage-N` (what replica N is doing).
+class Control:
+    """Where the launcher and its replicas meet. Replicas may run in other processes (xmp.spawn: a process per TPU
+    chip), in pool threads, which cannot take signals. So the launcher alone takes SIGTERM and Ctrl-C and times
+    --smoke's deadline, and they share a folder of small files: `stop` (the signal's number), `failure` (the first
+    lone failure's exit code and line), and `stage-N` (what replica N does: there once its runtime has started)."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="train_tpu-")
+
+    def write(self, name, text):  # whole, or not there: another process may read it at any moment
+        path = os.path.join(self.folder, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    def read(self, name):  # the file's text, or None
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(self.folder, name)) as f:
+            return f.read()
+        return None
+
+    def stop_signal(self):  # the stop signal's number, 0 if none came
+        return int(self.read("stop") or 0)
+
+    def set_stage(self, rank, stage):  # what the deadline names, should it pass
+        self.write(f"stage-{rank}", stage)
+
+    def stages(self):  # {rank: stage} of the replicas whose runtime started
+        ranks = [int(name[6:]) for name in os.listdir(self.folder) if name.startswith("stage-") and "." not in name]
+        return {rank: self.read(f"stage-{rank}") for rank in sorted(ranks)}
+
+    def fail(self, code, line):  # the first failure's line and code stay
+        with contextlib.suppress(FileExistsError), open(os.path.join(self.folder, "failure"), "x") as f:
+            json.dump([code, line], f)
+
+
 @contextlib.contextmanager
 def run_control(args):
-    """The control folder, the signal handlers and the deadline, for the run's length: a notebook that calls fit()
+    """args.control, the stop signals' handlers and --smoke's timer, for the run's length: a notebook that calls fit()
     keeps its own handlers."""
-    args.control = tempfile.mkdtemp(prefix="train_tpu-")
+    args.control = Control()
     timers = []
     handlers = {}
 
     def on_signal(signum, frame):  # the first asks every replica to save and stop at its next log boundary
-        if stop_signal(args):
-            end_now(args, 128 + signum, f"stopped by a second {signal.Signals(signum).name}, at once: nothing saved")
-        write_file(args, "stop", str(signum))
-        late = f"stopped by {signal.Signals(signum).name}: no log boundary within {STOP_GRACE} s, nothing saved"
+        name = signal.Signals(signum).name
+        if args.control.stop_signal():
+            end_now(args, 128 + signum, f"stopped by a second {name}, at once: nothing saved")
+        args.control.write("stop", str(signum))
+        late = f"stopped by {name}: no log boundary within {STOP_GRACE} s, nothing saved"
         timers.append(start_timer(STOP_GRACE, end_now, args, 128 + signum, late))
 
     if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only
@@ -836,31 +861,7 @@ def run_control(args):
             signal.signal(signum, handler)
         for timer in timers:
             timer.cancel()
-        shutil.rmtree(args.control, ignore_errors=True)
-
-
-def write_file(args, name, text):  # whole, or not there: another process may read it at any moment
-    path = os.path.join(args.control, name)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def read_files(args, prefix):  # {name: text} of the control files whose names start with `prefix`
-    found = {}
-    for name in os.listdir(args.control):
-        if name.startswith(prefix) and not name.endswith(".tmp"):
-            with open(os.path.join(args.control, name)) as f:
-                found[name] = f.read()
-    return found
-
-
-def stop_signal(args):  # the stop signal's number, 0 if none came
-    return int(read_files(args, "stop").get("stop", 0))
-
-
-def set_stage(run, stage):  # what the deadline names, should it pass
-    write_file(run.args, f"stage-{run.rank}", stage)
+        shutil.rmtree(args.control.folder, ignore_errors=True)
 
 
 def start_timer(seconds, action, *args):  # a daemon thread: the process never waits for it
@@ -878,8 +879,7 @@ def end_now(args, code, line):
     if not children:
         print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
         os._exit(code)
-    with contextlib.suppress(FileExistsError), open(os.path.join(args.control, "failure"), "x") as f:
-        json.dump([code, line], f)
+    args.control.fail(code, line)
     for child in children:
         child.kill()
     start_timer(10, os._exit, code)  # should the launcher not get there
@@ -896,31 +896,29 @@ def agree(run, *values):
 
 
 def stop_exit(signum, epoch, step, args):
-    where = f"at epoch {epoch} step {step}, checkpoint saved"
+    name = signal.Signals(signum).name
     return Exit(
-        128 + signum, f"stopped by {signal.Signals(signum).name} {where}: continue with --resume {args.out_dir}"
+        128 + signum,
+        f"stopped by {name} at epoch {epoch} step {step}, checkpoint saved: continue with --resume {args.out_dir}",
     )
 
 
 def fail_alone(run, e):
     """This replica failed where the others go on to their next all-reduce, and would wait for it there for ever: it
-    writes its line for the launcher (the first failing replica's stays) and ends its process, after which xmp.spawn's
-    process pool ends the others."""
+    leaves its line for the launcher and ends its process; xmp.spawn's process pool then ends the others."""
     code, line = describe(e)
-    with contextlib.suppress(FileExistsError), open(os.path.join(run.args.control, "failure"), "x") as f:
-        json.dump([code, f"replica {run.rank}: {line}"], f)
+    run.args.control.fail(code, f"replica {run.rank}: {line}")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def why_replicas_ended(args, e):
-    """Why the replicas ended, as an Exit, when xmp.spawn (or train) raised `e` and not an agreed Exit."""
-    failure = os.path.join(args.control, "failure")
-    if os.path.exists(failure):
-        with open(failure) as f:
-            return Exit(*json.load(f))
-    if not read_files(args, "stage-"):  # no replica reached its device
+    """Why the replicas ended, as an Exit, when xmp.spawn (or train) raised `e`, not an agreed Exit; None: a bug."""
+    failure = args.control.read("failure")
+    if failure:
+        return Exit(*json.loads(failure))
+    if not args.control.stages():  # no replica's runtime started
         return Exit(2, f"error: the {args.kind} runtime did not start: {first_line(e)}")
     if isinstance(e, BrokenProcessPool):
         return Exit(1, "failed: a replica process died without a word (killed? out of memory?); its checkpoints stay")
@@ -930,10 +928,8 @@ def why_replicas_ended(args, e):
 # ---- the smoke verdict: is this machine fit to train on? ----------------------------------------------------------
 def deadline_passed(args):
     """--smoke-timeout has passed: the stage that the replicas are in FAILs (the lowest replica's, if they differ)."""
-    stages = read_files(args, "stage-")
-    stage = "devices"
-    if stages:
-        stage = stages[min(stages, key=lambda name: int(name.split("-")[1]))]
+    stages = list(args.control.stages().values())
+    stage = stages[0] if stages else "devices"
     line = f"{stage} did not finish within --smoke-timeout"
     publish(args, [dict(name=stage, passed=False, figure=f"{line} {args.smoke_timeout:g} s")])
     end_now(args, 5, f"failed: smoke verdict FAIL: {line}")
@@ -942,7 +938,7 @@ def deadline_passed(args):
 def finish(run):  # the run's end: the smoke verdict (exit 5), or --target-accuracy (exit 21)
     args = run.args
     accuracy = run.log.accuracy or 0.0
-    xm.master_print(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%", flush=True)
+    print0(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
     if args.smoke:
         smoke_verdict(run)
     elif accuracy < args.target_accuracy:
@@ -959,10 +955,10 @@ def smoke_verdict(run):
         ("compilation", check_compilation),
         ("learning", check_learning),
     ):
-        set_stage(run, name)
+        run.args.control.set_stage(run.rank, name)
         passed, figure = check(run)
         checks.append(dict(name=name, passed=passed, figure=figure))
-    set_stage(run, "verdict")
+    run.args.control.set_stage(run.rank, "verdict")
     combine_replicas(run, checks)
     if run.rank == 0:
         publish(run.args, checks)
@@ -1063,7 +1059,7 @@ def publish(args, checks):
     mark = {True: "PASS", False: "FAIL", None: "SKIP"}
     passed = all(c["passed"] is not False for c in checks)
     rows = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in checks]
-    print("\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]), flush=True)
+    print("\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]))
     path = os.path.join(args.out_dir, "verdict.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"passed": passed, "checks": checks}, f, indent=1)
