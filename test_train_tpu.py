@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -178,13 +179,16 @@ def group(command, cwd, when, environ, timeout=300):
     p = subprocess.Popen(
         command, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    watchdog = threading.Timer(timeout, os.killpg, (p.pid, signal.SIGKILL))  # a hang: ended, with its whole group
+    watchdog.start()
     out = []
     for line in p.stdout:
         out.append(line)
         if when and line.startswith(when):
             os.killpg(p.pid, signal.SIGTERM)
             break
-    rest, err = p.communicate(timeout=timeout)
+    rest, err = p.communicate()
+    watchdog.cancel()
     for _ in range(50):  # what the launcher left behind (the pool's resource tracker ends by itself)
         try:
             os.killpg(p.pid, 0)
@@ -197,8 +201,8 @@ def group(command, cwd, when, environ, timeout=300):
 
 SLOW_MASTER = """
 real_save, real_publish = xm.save, tt.publish
-def save(data, path, **kw):  # the master writes its checkpoint 2 s late
-    if xr.global_ordinal() == 0:
+def save(data, path, **kw):  # the master writes a stop's checkpoint 2 s late
+    if xr.global_ordinal() == 0 and data["test_loss"] is None:
         time.sleep(2)
     real_save(data, path, **kw)
 def publish(args, checks):  # and its verdict
@@ -254,7 +258,7 @@ def runs(tmp_path_factory):
             cli(
                 "--spmd",
                 "--cores",
-                4,
+                2,
                 "--resume",
                 "base",
                 "--out-dir",
@@ -265,13 +269,25 @@ def runs(tmp_path_factory):
                 10,
                 cwd=root,
             ),
-            cli("--resume", "conv", "--epochs", 4, "--steps-per-epoch", 10, "--target-accuracy", 100.5, cwd=root),
+            cli(
+                "--resume",
+                "conv",
+                "--cores",
+                1,
+                "--epochs",
+                4,
+                "--steps-per-epoch",
+                10,
+                "--target-accuracy",
+                100.5,
+                cwd=root,
+            ),
         )
 
     def stopped(signum, when):  # the same run, stopped, then resumed
         out = f"stop-{signum.name}"
         code, err = interrupt(train_tpu + [*map(str, STRAIGHT), "--out-dir", out], when, signum, root)
-        return code, err, sorted(os.listdir(root / out)), cli("--resume", out, cwd=root)
+        return code, err, sorted(os.listdir(root / out)), cli("--resume", out, "--cores", 1, cwd=root)
 
     def two_stopped_then_one_fails():  # SIGTERM to the group, the master writing late; resumed, replica 1 fails
         stop = world_of_two(root, *WORLD_RUN, "--out-dir", "two", patch=SLOW_MASTER, when="epoch 2 step 2/")
@@ -782,7 +798,7 @@ def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(ru
     saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["test_loss"]
     check = re.search(r"resume check \| test loss saved (\S+), now (\S+) \(tolerance 1e-05\)", ok(spmd).stdout)
     assert float(check.group(1)) == pytest.approx(saved, abs=1e-6) and abs(float(check.group(2)) - saved) <= 1e-5
-    assert "4 devices, SPMD | global batch 512 | lr 0.05 | 10 steps per epoch" in spmd.stdout
+    assert "2 devices, SPMD | global batch 256 | lr 0.05 | 10 steps per epoch" in spmd.stdout
     assert "epoch 3 done" in spmd.stdout
     assert "resume | converted, saved as conv/checkpoint-0003-000000000\n" in spmd.stdout  # a DCP folder: no .pt
     assert "resume | conv/checkpoint-0004-000000000: continuing at epoch 4 of 4" in back.stdout  # resumed from DCP
@@ -890,12 +906,13 @@ def test_dynamic_layerdrop_recompiles_as_predicted_and_static_compiles_one_graph
 # ---- the smoke verdict ---------------------------------------------------------------------------------------------
 FIT_SMOKE = """
 import json, torch, train_tpu as tt
-r = tt.fit(smoke=True, cores=1, out_dir="fit")
+r = tt.fit(smoke=True, cores=1, steps_per_epoch=20, out_dir="fit")
 images, labels = tt.load_split(tt.parse_args(["--data", "synthetic"]), train=False)
 with torch.no_grad():
     accuracy = 100 * (r.model(tt.model_input(images)).argmax(1) == labels).float().mean().item()
-print(json.dumps(dict(verdict=r.verdict, steps=len(r.history), first=r.history[0], epochs=r.epochs, accuracy=accuracy,
-                      device=str(next(r.model.parameters()).device))))
+losses = [h["loss"] for h in r.history]
+print(json.dumps(dict(verdict=r.verdict, steps=len(r.history), first=r.history[0], losses=losses, epochs=r.epochs,
+                      accuracy=accuracy, device=str(next(r.model.parameters()).device))))
 """
 
 
@@ -911,9 +928,13 @@ def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(run
         "learning",
     ]
     assert checks["devices"] is None and all(checks[n] for n in list(checks)[1:])  # on the CPU: nothing to compare
-    assert got["steps"] == 80 and got["first"]["step"] == 1 and got["device"] == "cpu"
+    assert got["steps"] == 40 and got["first"]["step"] == 1 and got["device"] == "cpu"
     assert got["accuracy"] == pytest.approx(got["epochs"][-1]["accuracy"], abs=0.02)  # the final model, on the host
     assert "  SKIP  devices" in r.stdout and "smoke verdict: PASS" in r.stdout
+    before, after = np.mean(got["losses"][:10]), np.mean(got["losses"][-10:])  # the learning check, from the history
+    accuracy = got["epochs"][-1]["accuracy"]
+    learning = f"loss {before:.3f} -> {after:.3f} (first and last 10 steps), test accuracy {accuracy:.2f}%"
+    assert got["verdict"]["checks"][-1]["figure"].startswith(learning)
 
 
 def test_smoke_under_spmd_with_bf16_passes_within_its_tolerance(runs):
@@ -926,13 +947,15 @@ def test_smoke_under_spmd_with_bf16_passes_within_its_tolerance(runs):
 # ---- the world of two replicas --------------------------------------------------------------------------------
 def eager_two_replicas(epochs_and_steps, batch=16, seed=5):
     """WORLD_RUN's training in eager PyTorch: each replica's DistributedSampler shard, the gradients averaged over the
-    two (as xm.optimizer_step's all-reduce does), one SGD step: the model after the given (epoch, steps) pairs."""
+    two (as xm.optimizer_step's all-reduce does), one SGD step: the model after the given (epoch, steps) pairs, its
+    optimizer, and replica 0's loss at each step (what the master logs)."""
     args = tt.parse_args([str(a) for a in WORLD_RUN])
     images, labels = tt.load_split(args, train=True)
     shards = [DistributedSampler(range(len(labels)), 2, rank, seed=seed, drop_last=True) for rank in (0, 1)]
     torch.manual_seed(seed)
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
     for epoch, steps in epochs_and_steps:
         for shard in shards:
             shard.set_epoch(epoch)  # a new shuffle each epoch
@@ -941,9 +964,11 @@ def eager_two_replicas(epochs_and_steps, batch=16, seed=5):
             optimizer.zero_grad()
             for order in orders:
                 indices = order[step * batch : (step + 1) * batch]
-                (F.cross_entropy(model(tt.model_input(images[indices])), labels[indices]) / 2).backward()
+                loss = F.cross_entropy(model(tt.model_input(images[indices])), labels[indices])
+                (loss / 2).backward()
+                losses.append(loss.item())
             optimizer.step()
-    return model, optimizer
+    return model, optimizer, losses[::2]
 
 
 def eager_test(model, args):
@@ -973,7 +998,7 @@ def test_two_replicas_stopped_by_sigterm_to_their_group_save_what_the_master_wri
     step = int(stop.group(1))
     assert f"checkpoint-0002-{step * 32:09d}.pt" in saved  # written 2 s after replica 1 was done with it
     assert "2 devices, a replica each | global batch 32 | lr 0.1 | 6 steps per epoch" in out
-    model, optimizer = eager_two_replicas([(1, 6), (2, step)])  # two real shards, averaged gradients
+    model, optimizer, losses = eager_two_replicas([(1, 6), (2, step)])  # two real shards, averaged gradients
     same_weights(torch.load(runs["root"] / "two" / f"checkpoint-0002-{step * 32:09d}.pt"), model, optimizer)
 
 
@@ -988,7 +1013,8 @@ def test_resumed_two_replicas_train_and_evaluate_as_eager_pytorch_until_replica_
     saved = final(out_dir)
     lines = tt.read_metrics(str(out_dir))["history"]  # each step once, as last trained, before the stop and after
     assert [(h["epoch"], h["step"]) for h in lines if h["epoch"] < 3] == [(e, s) for e in (1, 2) for s in range(1, 7)]
-    model, optimizer = eager_two_replicas([(1, 6), (2, 6)])  # the resumed run went on exactly
+    model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6)])  # the resumed run went on exactly
+    assert [h["loss"] for h in lines if h["epoch"] < 3] == pytest.approx(losses, abs=1e-5)  # replica 0's shard
     same_weights(saved, model, optimizer)
     loss, accuracy = eager_test(model, tt.parse_args([str(a) for a in WORLD_RUN]))
     assert saved["test_loss"] == pytest.approx(loss, abs=1e-5) and saved["accuracy"] == pytest.approx(

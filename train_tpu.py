@@ -321,7 +321,7 @@ def launch(args):
             if args.spmd:
                 train(start_replica(args, spmd=True))
             else:
-                xmp.spawn(_mp_fn, args=(args,), nprocs=1 if cores == 1 else None)
+                xmp.spawn(_mp_fn, args=(args,), nprocs=1 if args.cores == 1 else None)
         except Exit:
             raise  # every replica raised it at the same point
         except Exception as e:
