@@ -211,6 +211,12 @@ def publish(args, checks):  # and its verdict
 xm.save, tt.publish = save, publish
 """
 REPLICA_1_FAILS = """
+real_start = tt.start_replica
+def start_replica(args, spmd):  # replica 0 starts last: state kept per process, not per replica, would say "0" below
+    if xr.global_ordinal() == 0:
+        time.sleep(1)
+    return real_start(args, spmd)
+tt.start_replica = start_replica
 real_add = tt.Log.add
 def add(log, step, loss):  # replica 1 fails alone, at epoch 3 step 2
     if log.run.rank == 1 and (log.epoch, step) == (3, 2):
@@ -307,6 +313,12 @@ def runs(tmp_path_factory):
         "two_killed": lambda: world_of_two(root, *TWO_KILLED.split(), patch=KILLED_MID_WRITE),
         "two_stall": lambda: world_of_two(
             root, "--smoke", "--smoke-timeout", 8, "--out-dir", "two-stall", patch=STALL, timeout=120
+        ),
+        "stall": lambda: cli(
+            *["--smoke", "--cores", 1, "--smoke-timeout", 6, "--out-dir", "stall"],
+            cwd=root,
+            timeout=120,
+            patch="tt.train = lambda run: time.sleep(3600)  # the only replica, in this process, hangs",
         ),
         "fit": lambda: script(FIT_SMOKE, cwd=root),
         "smoke_spmd": lambda: cli(
@@ -1068,6 +1080,15 @@ def test_a_stalled_stage_fails_by_name_once_at_the_deadline_and_no_replica_proce
     assert (
         last_line_of(err) == "train_tpu.py: failed: smoke verdict FAIL: devices did not finish within --smoke-timeout"
     )
+
+
+def test_a_stalled_replica_in_the_launchers_own_process_ends_it_at_the_deadline(runs):
+    r = runs["stall"]
+    assert r.returncode == 5 and last_line(r) == (
+        "train_tpu.py: failed: smoke verdict FAIL: devices did not finish within --smoke-timeout"
+    )
+    assert "  FAIL  devices      devices did not finish within --smoke-timeout 6 s\nsmoke verdict: FAIL" in r.stdout
+    assert json.loads((runs["root"] / "stall" / "verdict.json").read_text())["passed"] is False
 
 
 def test_sigterm_to_the_process_group_of_python_train_tpu_py_saves_and_exits_143(runs):

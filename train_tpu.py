@@ -1,7 +1,6 @@
-"""train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN (ToyModel) on MNIST on every TPU core
-(xmp.spawn; each replica's DistributedSampler shard through MpDeviceLoader; xm.optimizer_step; xm.save), or with --spmd
-from one process. The training path comes first, in the order a run executes; the instruments it calls follow. Your
-own model takes two edits, to the sections marked "your own". README.md has the rest.
+"""train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN on MNIST on every TPU core (xmp.spawn), or
+with --spmd from one process. The training path comes first, in the order a run executes; the instruments it calls
+follow. Your own model takes two edits, to the sections marked "your own". README.md has the rest.
 
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 0 or 5
@@ -33,9 +32,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, StackDataset
 
 USER_DEVICE = os.environ.get("PJRT_DEVICE")  # read before `import torch_xla`, which sets it when unset
+XLA_IMPORT_ERROR = None
 try:
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -45,8 +46,6 @@ try:
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.runtime as xr
     from torch_xla._internal import tpu
-
-    XLA_IMPORT_ERROR = None
 except Exception as e:  # a torch_xla built for another torch; on a TPU VM, its metadata server unreachable
     XLA_IMPORT_ERROR = e
 
@@ -54,7 +53,6 @@ SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, targe
 WARMUP_STEPS = 2  # each epoch's first steps compile, or fill the pipeline: left out of samples/s
 KEEP_CHECKPOINTS = 2  # the newest stay in the run folder
 STOP_GRACE = 25  # seconds from a stop signal to a forced exit: a preempted TPU VM has about 30
-COLLECTIVE_DTYPES = (torch.float32, torch.bfloat16)  # TPUs all-reduce no int64 (pytorch/xla#1952)
 
 
 # ---- flags --------------------------------------------------------------------------------------------------------
@@ -107,15 +105,12 @@ def load_split(args, train):
     """One split as in-memory tensors: uint8 images (N, 1, 28, 28) and labels (N,)."""
     if args.data == "synthetic":
         return synthetic_digits(30_000 if train else 5_000, seed=1234 + train)
-    import torchvision
-
     mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
     return mnist.data.unsqueeze(1), mnist.targets  # read once: no PIL image, no transform per sample
 
 
 def model_input(images):
-    """In the step, on the device: uint8 pixels (a quarter of float32's bytes through the host), scaled as
-    ToTensor() and Normalize() would."""
+    """On the device: uint8 pixels (a quarter of float32's bytes through the host), scaled as Normalize() would."""
     if images.dtype != torch.uint8:  # load_split replaced and this not: never rescale floats silently
         raise TypeError(f"model_input expects uint8 pixels, got {images.dtype}: replace it too")
     return (images.float() / 255 - 0.1307) / 0.3081
@@ -124,8 +119,6 @@ def model_input(images):
 def prepare_data(args):  # once, before any replica starts: replicas never race to download
     if args.data != "mnist":
         return
-    import torchvision
-
     try:
         with quietly():  # torchvision prints every attempt
             for train in (True, False):
@@ -208,9 +201,6 @@ def train_step(run, batch, keep):
     return loss.detach()
 
 
-TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
-
-
 def evaluate(run):
     """The test loss and accuracy (%), each test sample counted once over the replicas, summed on the device."""
     run.model.eval()
@@ -230,8 +220,7 @@ def evaluate(run):
 
 # ---- the epochs: steps with logging, then evaluation and the save -------------------------------------------------
 def train_epoch(run, loader, epoch, skip, last):
-    """The epoch's steps after the first `skip` (those a resumed run did), to `last`. The loop never waits for the
-    device, but at a stop or a save."""
+    """The epoch's steps after the `skip` that a resumed run did, to `last`. It waits for the device only to save."""
     args = run.args
     timed_from = skip + WARMUP_STEPS
     run.log.start_epoch(epoch, timed_from, last)
@@ -241,10 +230,12 @@ def train_epoch(run, loader, epoch, skip, last):
         at_boundary = step % args.log_steps == 0 or step in (timed_from, last)
         if at_boundary:
             xm.add_step_closure(run.log.boundary, args=(step,))  # runs once this step's graph has launched
+        if step == last:  # the epoch's end evaluates, saves and takes a stop (not `break`: the loader cuts this graph)
+            continue
         saving = args.save_steps is not None and step % args.save_steps == 0
-        if step == last or not (at_boundary or saving):
-            continue  # (the epoch's end evaluates, saves, and takes a stop)
-        [signum] = agree(run, args.control.stop_signal())
+        if not (at_boundary or saving):
+            continue
+        signum = agree(run, args.control.stop_signal())[0]
         if signum:
             save(run, epoch, step)  # a stop saves without evaluating
             raise stop_exit(signum, epoch, step, args)
@@ -270,14 +261,11 @@ def train(run):
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run, steps)
     mode = "SPMD" if run.mesh is not None else "a replica each"
-    where = f"out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}"
     print0(
-        f"{args.kind} | {run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr} | "
-        f"{steps} steps per epoch | {where}"
+        f"{args.kind} | {run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr} | {steps} steps "
+        f"per epoch | out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}"
     )
-    first_epoch, skip = 1, 0
-    if args.resume:
-        first_epoch, skip = resume(run, steps)
+    first_epoch, skip = resume(run, steps)  # (1, 0) for a fresh run
     args.control.set_stage(run.rank, "training")
     for epoch in range(first_epoch, args.epochs + 1):
         loader.sampler.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
@@ -296,22 +284,10 @@ def train(run):
 
 
 # ---- launch: xmp.spawn, one replica per device, or SPMD in this process -------------------------------------------
-def main(argv=None):
-    try:
-        launch(parse_args(argv))
-    except (Exception, KeyboardInterrupt) as e:
-        code, line = describe(e)
-        print(f"train_tpu.py: {line}", file=sys.stderr)
-        return code
-    return 0
-
-
 def launch(args):
-    """Refuses what it can before any device starts, then runs the replicas. --cores 1: one device, in this process;
-    otherwise a replica per device, in a process per TPU chip (xmp.spawn's nprocs=None; docs: learn/pjrt)."""
-    kind, hosts, cores = check_environment(args)
-    args.kind = kind  # the replicas read it
-    args.hosts = hosts
+    """Refuses what it can before any device starts, then runs the replicas: with --cores 1 in this process, else a
+    replica per device, in a process per TPU chip (xmp.spawn's nprocs=None; docs: learn/pjrt)."""
+    args.kind, args.hosts, cores = check_environment(args)  # (the replicas read args.kind)
     if args.spmd and args.kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # the CPU runtime emulates that many devices
     prepare_out_dir(args)
@@ -341,6 +317,16 @@ def _mp_fn(index, args):  # xmp.spawn's entry, once per replica
         if run.world == 1:
             raise
         fail_alone(run, e)  # the others would wait for this one in their next all-reduce
+
+
+def main(argv=None):
+    try:
+        launch(parse_args(argv))
+    except (Exception, KeyboardInterrupt) as e:
+        code, line = describe(e)
+        print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
+        return code
+    return 0
 
 
 # ==== the instruments, each called by name from the training path above ============================================
@@ -478,6 +464,7 @@ def start_replica(args, spmd):
 
 
 # ---- the model's first weights, the test shard, layerdrop's coin flips, synthetic digits --------------------------
+COLLECTIVE_DTYPES = (torch.float32, torch.bfloat16)  # TPUs all-reduce no int64 (pytorch/xla#1952)
 SEEDING = threading.Lock()  # TPU v2/v3 run two replicas per process, on one global RNG
 
 
@@ -665,6 +652,7 @@ def fallback_ops():  # ops run on the host for want of an XLA lowering; `.item()
 # can silently compute something else (pytorch/xla#6660): --resume reads either, converts, and checks the test loss.
 RESUMED = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop")
 RESUMED += ("layerdrop_prob", "bf16")  # a resumed run takes these from its checkpoint, unless they are given
+TestResult = collections.namedtuple("TestResult", "loss accuracy samples")  # what evaluate() returns
 NOT_TESTED = TestResult(None, None, 0)
 
 
@@ -756,6 +744,8 @@ def resume(run, steps):
     the formats can silently compute something else; one in the other format is saved in this run's at once. Returns
     (epoch, steps of it done)."""
     args = run.args
+    if not args.resume:
+        return 1, 0
     path = find_checkpoint(args.resume)
     ckpt = read_checkpoint(path)
     try:
@@ -1059,7 +1049,7 @@ def publish(args, checks):
     mark = {True: "PASS", False: "FAIL", None: "SKIP"}
     passed = all(c["passed"] is not False for c in checks)
     rows = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in checks]
-    print("\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]))
+    print("\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]), flush=True)
     path = os.path.join(args.out_dir, "verdict.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"passed": passed, "checks": checks}, f, indent=1)
