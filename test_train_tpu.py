@@ -224,6 +224,18 @@ def add(log, step, loss):  # replica 1 fails alone, at epoch 3 step 2
     real_add(log, step, loss)
 tt.Log.add = add
 """
+RECOMPILES_LATE_SAVE = """
+real_step, real_save = tt.train_step, xm.save
+def train_step(run, batch, keep):  # epoch 2 traces one more op than epoch 1: its graphs compile again
+    if run.log.epoch == 2:
+        batch = dict(batch, image=batch["image"] + 0)
+    return real_step(run, batch, keep)
+def save(data, path, **kw):  # the master writes the last checkpoint 2 s late
+    if xr.global_ordinal() == 0 and data["epoch"] == 3:
+        time.sleep(2)
+    real_save(data, path, **kw)
+tt.train_step, xm.save = train_step, save
+"""
 KILLED_MID_WRITE = """
 real_save = xm.save
 def save(data, path, **kw):  # the process is killed (as the OOM killer would) while the master writes epoch 2 step 10
@@ -235,6 +247,9 @@ xm.save = save
 """
 TWO_KILLED = (
     "--data synthetic --epochs 2 --steps-per-epoch 15 --batch-size 32 --log-steps 5 --save-steps 5 --out-dir two-killed"
+)
+TWO_RECOMPILES = (
+    "--data synthetic --epochs 3 --steps-per-epoch 3 --batch-size 32 --max-recompiles 0 --out-dir two-recompiles"
 )
 REPLICA_1_NUMERICS = """
 real_numerics = tt.check_numerics
@@ -250,11 +265,13 @@ xm.all_reduce = all_reduce
 """
 
 
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Every run of train_tpu.py that the tests below look at, three at a time."""
+@pytest.fixture(scope="session", autouse=True)
+def started(tmp_path_factory):
+    """Starts every run of train_tpu.py that the tests below look at, three at a time, as the session starts: they go
+    on while the tests that need none run in this process."""
     if os.environ.get("REUSE_RUNS"):  # a folder of an earlier session's runs: for work on the tests alone
-        return pickle.load(open(os.path.join(os.environ["REUSE_RUNS"], "runs.pickle"), "rb"))
+        yield None
+        return
     root = tmp_path_factory.mktemp("runs")
     train_tpu = [sys.executable, "-u", os.path.join(HERE, "train_tpu.py")]
 
@@ -311,6 +328,7 @@ def runs(tmp_path_factory):
             patch=SLOW_MASTER + REPLICA_1_NUMERICS,
         ),
         "two_killed": lambda: world_of_two(root, *TWO_KILLED.split(), patch=KILLED_MID_WRITE),
+        "two_recompiles": lambda: world_of_two(root, *TWO_RECOMPILES.split(), patch=RECOMPILES_LATE_SAVE, timeout=120),
         "two_stall": lambda: world_of_two(
             root, "--smoke", "--smoke-timeout", 8, "--out-dir", "two-stall", patch=STALL, timeout=120
         ),
@@ -350,8 +368,16 @@ def runs(tmp_path_factory):
     }
     only = os.environ.get("RUNS_ONLY", ",".join(jobs)).split(",")  # when working on one property
     with ThreadPoolExecutor(max_workers=3) as pool:  # on 2 cores: imports and signals leave some idle
-        futures = {name: pool.submit(timed, job) for name, job in jobs.items() if name in only}
-        results = {name: future.result()[0] for name, future in futures.items()}
+        yield root, {name: pool.submit(timed, job) for name, job in jobs.items() if name in only}
+
+
+@pytest.fixture(scope="session")
+def runs(started):
+    """The runs' results, once every one has ended."""
+    if started is None:
+        return pickle.load(open(os.path.join(os.environ["REUSE_RUNS"], "runs.pickle"), "rb"))
+    root, futures = started
+    results = {name: future.result()[0] for name, future in futures.items()}
     seconds = {name: round(future.result()[1]) for name, future in futures.items()}
     (root / "seconds.json").write_text(json.dumps(seconds))  # where the suite's time goes
     results["root"] = root
@@ -1055,6 +1081,19 @@ def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_wri
     loss, accuracy = eager_test(model, tt.parse_args(["--data", "synthetic"]))
     assert f"epoch 2 done | test loss {loss:.4f} | accuracy {accuracy:.2f}% (5,000 samples)" in out
     assert len(re.findall(r"compiles in this process .* CPU fallback ops: none\n", out)) == 2
+
+
+def test_two_replicas_agree_to_exit_3_past_max_recompiles_after_the_master_writes_late(runs):
+    code, out, err, left = runs["two_recompiles"]
+    assert code == 3 and not left, err[-3000:]
+    assert re.fullmatch(
+        r"train_tpu.py: failed: [1-9]\d* graphs compiled after warm-up \(the run's first epoch\), over "
+        r"--max-recompiles 0: the graph changes from step to step",
+        last_line_of(err),
+    )
+    out_dir = runs["root"] / "two-recompiles"
+    assert tt.find_checkpoint(str(out_dir)).endswith("checkpoint-0003-000000000.pt")  # written 2 s late, and there
+    assert [e["epoch"] for e in tt.read_metrics(str(out_dir))["epochs"]] == [1, 2]
 
 
 def test_a_replica_process_killed_mid_write_ends_the_run_with_exit_1_and_the_last_whole_checkpoint_stays(runs):

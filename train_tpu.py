@@ -512,8 +512,10 @@ def synthetic_digits(n, seed):
     glyphs = (torch.rand(10, 14, 14, generator=torch.Generator().manual_seed(0)) < 0.3).float()
     labels = torch.randint(0, 10, (n,), generator=g)
     images = torch.rand(n, 28, 28, generator=g) * 0.3
-    for i, (down, right) in enumerate(torch.randint(0, 9, (n, 2), generator=g).tolist()):
-        images[i, 3 + down : 17 + down, 3 + right : 17 + right] += glyphs[labels[i]] * 0.7
+    shifts = torch.randint(0, 9, (n, 2), generator=g)
+    for down, right in itertools.product(range(9), range(9)):  # all the samples with one shift at once
+        at = (shifts[:, 0] == down) & (shifts[:, 1] == right)
+        images[at, 3 + down : 17 + down, 3 + right : 17 + right] += glyphs[labels[at]] * 0.7
     return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
 
 
@@ -804,10 +806,12 @@ class Control:
             f.write(text)
         os.replace(path + ".tmp", path)
 
-    def read(self, name):  # the file's text, or None
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(self.folder, name)) as f:
+    def read(self, name):  # the file's text, or None if it is not there (files are renamed into place, never removed)
+        path = os.path.join(self.folder, name)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
             return f.read()
-        return None
 
     def stop_signal(self):  # the stop signal's number, 0 if none came
         return int(self.read("stop") or 0)
@@ -834,8 +838,9 @@ def run_control(args):
 
     def on_signal(signum, frame):  # the first asks every replica to save and stop at its next log boundary
         name = signal.Signals(signum).name
-        if args.control.stop_signal():
+        if args.control.stop_signal():  # the second
             end_now(args, 128 + signum, f"stopped by a second {name}, at once: nothing saved")
+            return
         args.control.write("stop", str(signum))
         late = f"stopped by {name}: no log boundary within {STOP_GRACE} s, nothing saved"
         timers.append(start_timer(STOP_GRACE, end_now, args, 128 + signum, late))
