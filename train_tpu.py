@@ -799,6 +799,7 @@ class Control:
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
+        self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own, say
 
     def write(self, name, text):  # whole, or not there: another process may read it at any moment
         path = os.path.join(self.folder, name)
@@ -870,14 +871,13 @@ def end_now(args, code, line):
     """Ends the run at once, saving nothing. Replica processes are killed (one left behind would hold the TPU), so
     xmp.spawn raises in the launcher, which exits with this line. A replica in this process cannot be stopped: it ends
     here."""
-    children = multiprocessing.active_children()
+    children = [p for p in multiprocessing.active_children() if p.pid not in args.control.not_ours]
     if not children:
         print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
         os._exit(code)
     args.control.fail(code, line)
     for child in children:
         child.kill()
-    start_timer(10, os._exit, code)  # should the launcher not get there
 
 
 def agree(run, *values):
