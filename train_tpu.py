@@ -261,10 +261,9 @@ def train(run):
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run, steps)
     mode = "SPMD" if run.mesh is not None else "a replica each"
-    print0(
-        f"{args.kind} | {run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr} | {steps} steps "
-        f"per epoch | out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}"
-    )
+    sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr} | {steps} steps per epoch"
+    writer = f"out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}"
+    print0(f"{args.kind} | {sizes} | {writer}")
     first_epoch, skip = resume(run, steps)  # (1, 0) for a fresh run
     args.control.set_stage(run.rank, "training")
     for epoch in range(first_epoch, args.epochs + 1):
@@ -603,14 +602,14 @@ class Log:
             seconds_timed = self.times[self.last] - self.times[self.timed_from]
             rate = (self.last - self.timed_from) * self.run.global_batch / seconds_timed
         speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
-        print0(
-            f"epoch {epoch} done | test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} "
-            f"samples) | {speed} | checkpoint {path}\n"
-            f"epoch {epoch} compiles in this process | this epoch {total - self.compiles_at_start} | recompiles after "
-            f"warm-up {self.recompiles} | {seconds:.1f} s compiling in all | CPU fallback ops: {ops}",
+        tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
+        print0(f"epoch {epoch} done | {tested} | {speed} | checkpoint {path}")
+        compiled = total - self.compiles_at_start
+        counts = (
+            f"this epoch {compiled} | recompiles after warm-up {self.recompiles} | {seconds:.1f} s compiling in all"
         )
+        print0(f"epoch {epoch} compiles in this process | {counts} | CPU fallback ops: {ops}")
         if self.board:
-            compiled = total - self.compiles_at_start
             record = dict(epoch=epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
             self.write([dict(record, compiles=compiled, recompiles=self.recompiles, fallback_ops=ops)])
             self.board.add_scalar("test/accuracy", test.accuracy, epoch * self.steps)
@@ -975,10 +974,11 @@ def check_devices(run):
     per_chip = tpu.num_logical_cores_per_chip()  # from the metadata's ACCELERATOR_TYPE: 2 on v2/v3, else 1
     hosts = tpu.num_tpu_workers()  # the metadata's worker-network-endpoints
     expected = chips * per_chip * hosts
-    return found == expected, (
-        f"{found} TPU devices found, {expected} in the slice: {chips} chips per host (metadata CHIPS_PER_HOST_BOUNDS "
-        f"{bounds}) x {per_chip} devices per chip (metadata ACCELERATOR_TYPE) x {hosts} hosts (metadata workers)"
+    per_host = f"{chips} chips per host (metadata CHIPS_PER_HOST_BOUNDS {bounds})"
+    slice_size = (
+        f"{per_host} x {per_chip} devices per chip (metadata ACCELERATOR_TYPE) x {hosts} hosts (metadata workers)"
     )
+    return found == expected, f"{found} TPU devices found, {expected} in the slice: {slice_size}"
 
 
 def check_numerics(run):
