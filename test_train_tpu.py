@@ -54,7 +54,7 @@ LAYERDROP = [
     "--epochs",
     2,
     "--steps-per-epoch",
-    4,
+    3,
     "--log-steps",
     2,
     "--batch-size",
@@ -330,10 +330,10 @@ def started(tmp_path_factory):
         "two_killed": lambda: world_of_two(root, *TWO_KILLED.split(), patch=KILLED_MID_WRITE),
         "two_recompiles": lambda: world_of_two(root, *TWO_RECOMPILES.split(), patch=RECOMPILES_LATE_SAVE, timeout=120),
         "two_stall": lambda: world_of_two(
-            root, "--smoke", "--smoke-timeout", 8, "--out-dir", "two-stall", patch=STALL, timeout=120
+            root, "--smoke", "--smoke-timeout", 5, "--out-dir", "two-stall", patch=STALL, timeout=120
         ),
         "stall": lambda: cli(
-            *["--smoke", "--cores", 1, "--smoke-timeout", 6, "--out-dir", "stall"],
+            *["--smoke", "--cores", 1, "--smoke-timeout", 4, "--out-dir", "stall"],
             cwd=root,
             timeout=120,
             patch="tt.train = lambda run: time.sleep(3600)  # the only replica, in this process, hangs",
@@ -627,11 +627,10 @@ def test_on_a_pod_slice_one_host_modes_are_refused_and_out_dir_is_needed(pod, tm
             tt.check_environment(tt.parse_args(argv))
     args = tt.parse_args([])
     assert tt.check_environment(args) == ("TPU", 4, 4)
-    args.hosts = 4
     with pytest.raises(tt.Exit, match="--out-dir is needed on a pod slice"):  # runs/<time> differs per host
-        tt.prepare_out_dir(args)
+        tt.prepare_out_dir(args, 4)
     args.out_dir = str(tmp_path / "shared")
-    tt.prepare_out_dir(args)
+    tt.prepare_out_dir(args, 4)
     assert os.path.isdir(args.out_dir)
 
 
@@ -927,9 +926,9 @@ def test_spmd_shards_every_field_of_every_batch_along_the_mesh(runs):
 # ---- layerdrop: dynamic recompiles, static does not ----------------------------------------------------------------
 def test_dynamic_layerdrop_recompiles_as_predicted_and_static_compiles_one_graph(runs):
     args = tt.parse_args([str(a) for a in LAYERDROP] + ["--layerdrop", "dynamic"])
-    kept = {(e, s): sum(tt.layerdrop_keep(args, e, s, None)) for e in (1, 2) for s in range(1, 5)}
-    warm = {kept[1, s] for s in range(2, 5)}  # step 1's graph differs: it creates SGD's momentum buffers
-    new = {kept[2, s] for s in range(1, 5)} - warm  # a graph per count of fc2 applications not seen in epoch 1
+    kept = {(e, s): sum(tt.layerdrop_keep(args, e, s, None)) for e in (1, 2) for s in range(1, 4)}
+    warm = {kept[1, s] for s in range(2, 4)}  # step 1's graph differs: it creates SGD's momentum buffers
+    new = {kept[2, s] for s in range(1, 4)} - warm  # a graph per count of fc2 applications not seen in epoch 1
     dynamic, static = runs["dynamic"], ok(runs["static"])
     assert dynamic.returncode == 3 and len(new) > 0
     assert last_line(dynamic) == (
@@ -1113,7 +1112,7 @@ def test_a_stalled_stage_fails_by_name_once_at_the_deadline_and_no_replica_proce
     verdict = json.loads((runs["root"] / "two-stall" / "verdict.json").read_text())
     assert verdict == {
         "passed": False,
-        "checks": [dict(name="devices", passed=False, figure="devices did not finish within --smoke-timeout 8 s")],
+        "checks": [dict(name="devices", passed=False, figure="devices did not finish within --smoke-timeout 5 s")],
     }
     assert out.count("  FAIL  devices") == 1 and err.count("did not finish") == 1
     assert (
@@ -1126,7 +1125,7 @@ def test_a_stalled_replica_in_the_launchers_own_process_ends_it_at_the_deadline(
     assert r.returncode == 5 and last_line(r) == (
         "train_tpu.py: failed: smoke verdict FAIL: devices did not finish within --smoke-timeout"
     )
-    assert "  FAIL  devices      devices did not finish within --smoke-timeout 6 s\nsmoke verdict: FAIL" in r.stdout
+    assert "  FAIL  devices      devices did not finish within --smoke-timeout 4 s\nsmoke verdict: FAIL" in r.stdout
     assert json.loads((runs["root"] / "stall" / "verdict.json").read_text())["passed"] is False
 
 

@@ -62,23 +62,25 @@ def parse_args(argv=None):
     one_or_more = in_range(int, ">= 1", lambda v: v >= 1)
     zero_or_more = in_range(int, ">= 0", lambda v: v >= 0)
     positive = in_range(float, "> 0", lambda v: v > 0)
+    nonnegative = in_range(float, ">= 0", lambda v: v >= 0)
+    probability = in_range(float, "in [0, 1]", lambda v: 0 <= v <= 1)
     # devices and data
     p.add_argument("--cores", type=one_or_more, help="1: one device, in this process; default: every device")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
     # training
-    p.add_argument("--epochs", type=one_or_more, default=3)
+    p.add_argument("--epochs", type=one_or_more, default=3, help="passes over the training set")
     p.add_argument("--batch-size", type=one_or_more, default=128, help="samples per device per step")
     p.add_argument("--lr", type=positive, default=0.05, help="as given: not scaled by the number of devices")
-    p.add_argument("--momentum", type=in_range(float, "in [0, 1)", lambda v: 0 <= v < 1), default=0.9)
+    p.add_argument("--momentum", type=in_range(float, "in [0, 1)", lambda v: 0 <= v < 1), default=0.9, help="SGD's")
     p.add_argument("--steps-per-epoch", type=one_or_more, help="cut every epoch after N steps")
     p.add_argument("--seed", type=zero_or_more, default=0, help="seeds the weights, shuffles and layerdrop's coins")
     p.add_argument("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
-    p.add_argument("--target-accuracy", type=in_range(float, ">= 0", lambda v: v >= 0), default=0.0, help="exit 21")
+    p.add_argument("--target-accuracy", type=nonnegative, default=0.0, help="exit 21 if final accuracy (%%) is below")
     # layerdrop: a graph that changes from step to step recompiles
-    p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="README.md: Layerdrop")
-    p.add_argument("--layerdrop-prob", type=in_range(float, "in [0, 1]", lambda v: 0 <= v <= 1), default=0.5)
+    p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
+    p.add_argument("--layerdrop-prob", type=probability, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--max-recompiles", type=zero_or_more, help="exit 3 if more graphs compile after the first epoch")
     # the smoke test
     presets = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in SMOKE.items())
@@ -86,7 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke-timeout", type=positive, default=900.0, help="seconds, from before any device starts")
     # logging, checkpoints, preemption
     p.add_argument("--log-steps", type=one_or_more, default=20, help="log every N steps")
-    p.add_argument("--out-dir", help="the run folder (default: runs/<time>, or the resumed run's)")
+    p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=one_or_more, help="also checkpoint every N steps")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
     if "--smoke" in argv:
@@ -130,8 +132,7 @@ def prepare_data(args):  # once, before any replica starts: replicas never race 
 
 # ---- model: your own goes here (edit 2 of 2) ----------------------------------------------------------------------
 class ToyModel(nn.Module):
-    """A small CNN that returns logits (F.cross_entropy applies the softmax). With layerdrop, a shared fc2 follows fc1
-    up to 50 times, each application dropped on a coin flip."""
+    """A small CNN that returns logits; with layerdrop, a shared fc2 applied up to 50 times, each on a coin flip."""
 
     def __init__(self, layerdrop="off"):
         super().__init__()
@@ -284,19 +285,18 @@ def train(run):
 
 # ---- launch: xmp.spawn, one replica per device, or SPMD in this process -------------------------------------------
 def launch(args):
-    """Refuses what it can before any device starts, then runs the replicas: with --cores 1 in this process, else a
-    replica per device, in a process per TPU chip (xmp.spawn's nprocs=None; docs: learn/pjrt)."""
-    args.kind, args.hosts, cores = check_environment(args)  # (the replicas read args.kind)
+    """Refuses what it can before any device starts, then runs the replicas (docs: learn/pjrt)."""
+    args.kind, hosts, cores = check_environment(args)  # (the replicas read args.kind)
     if args.spmd and args.kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # the CPU runtime emulates that many devices
-    prepare_out_dir(args)
+    prepare_out_dir(args, hosts)
     prepare_data(args)
     with run_control(args):
         try:
             if args.spmd:
                 train(start_replica(args, spmd=True))
             else:
-                xmp.spawn(_mp_fn, args=(args,), nprocs=1 if args.cores == 1 else None)
+                xmp.spawn(_mp_fn, args=(args,), nprocs=1 if args.cores == 1 else None)  # None: a process per chip
         except Exit:
             raise  # every replica raised it at the same point
         except Exception as e:
@@ -421,13 +421,13 @@ def check_environment(args):
     return kind, hosts, cores
 
 
-def prepare_out_dir(args):
+def prepare_out_dir(args, hosts):
     """--out-dir, the resumed run's folder by default, made by every host: ordinal 0, which writes, need not be on
     host 0 (torch_xla/runtime.py)."""
     resumed = None
     if args.resume:
         resumed = os.path.dirname(os.path.abspath(find_checkpoint(args.resume)))
-    if args.out_dir is None and args.hosts > 1 and resumed is None:
+    if args.out_dir is None and hosts > 1 and resumed is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     if args.out_dir is None:
         args.out_dir = resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -458,7 +458,7 @@ def start_replica(args, spmd):
     run.load_batch = args.batch_size  # what this process loads per step
     if spmd:
         run.load_batch = run.global_batch
-    run.args.control.set_stage(run.rank, "devices")  # the launcher now knows that this replica's runtime started
+    args.control.set_stage(run.rank, "devices")  # the launcher now knows that this replica's runtime started
     return run
 
 
