@@ -8,16 +8,25 @@ follow. Your own model takes two edits, to the sections marked "your own". READM
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
 """
 
+import multiprocessing
+import signal
+
+# xmp.spawn's replica processes import this file first. Before torch loads, they take SIGTERM (a preemption reaches
+# every process) and SIGINT with a handler that does nothing: the launcher acts on them. libtpu, as the runtime starts,
+# keeps a Python handler but kills a process whose signal was ignored (the stack traces of pytorch/xla#8234).
+if multiprocessing.current_process().name != "MainProcess":
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: None)
+# ruff: noqa: E402 (the imports follow those statements on purpose)
+
 import argparse
 import collections
 import contextlib
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -26,7 +35,6 @@ import time
 import traceback
 import types
 import warnings
-from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
@@ -231,20 +239,37 @@ def train_epoch(run, loader, epoch, skip, last):
         at_boundary = step % args.log_steps == 0 or step in (timed_from, last)
         if at_boundary:
             xm.add_step_closure(run.log.boundary, args=(step,))  # runs once this step's graph has launched
-        if step == last:  # the epoch's end evaluates, saves and takes a stop (not `break`: the loader cuts this graph)
-            continue
         saving = args.save_steps is not None and step % args.save_steps == 0
-        if not (at_boundary or saving):
-            continue
-        signum = agree(run, args.control.stop_signal())[0]
-        if signum:
-            save(run, epoch, step)  # a stop saves without evaluating
-            raise stop_exit(signum, epoch, step, args)
-        if saving:
-            save(run, epoch, step, evaluate(run))
+        if (at_boundary or saving) and step != last:  # (the epoch's end comes after the loader has cut its graph)
+            checkpoint_or_stop(run, epoch, step)
     if step != last:  # MpDeviceLoader ends the epoch quietly when the DataLoader fails
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {last}")
     run.log.end_steps()
+    checkpoint_or_stop(run, epoch, step)
+
+
+def checkpoint_or_stop(run, epoch, step):
+    """At a log boundary, and at the epoch's end: the replicas agree whether to stop, then it saves what is due."""
+    args = run.args
+    recompiles = 0 if run.log.warm_compiles is None else compiles()[0] - run.log.warm_compiles
+    signum, recompiles = run.control.should_stop(run, recompiles)
+    if step == run.log.last:  # the epoch's end: evaluated, saved, logged
+        test = evaluate(run)
+        run.log.end_epoch(epoch, test, save(run, epoch + 1, 0, test))
+        if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
+            why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
+            raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
+        epoch, step = epoch + 1, 0  # where a stop here continues from
+        if epoch > args.epochs:  # a stop after the last epoch lets the run finish
+            signum = 0
+    elif signum:
+        save(run, epoch, step)  # a stop saves without evaluating
+    elif args.save_steps is not None and step % args.save_steps == 0:
+        save(run, epoch, step, evaluate(run))
+    if signum:
+        name = signal.Signals(signum).name
+        where = f"at epoch {epoch} step {step}, checkpoint saved: continue with --resume {args.out_dir}"
+        raise Exit(128 + signum, f"stopped by {name} {where}")
 
 
 def train(run):
@@ -266,20 +291,15 @@ def train(run):
     writer = f"out {args.out_dir}, written by ordinal 0 on {socket.gethostname()}"
     print0(f"{args.kind} | {sizes} | {writer}")
     first_epoch, skip = resume(run, steps)  # (1, 0) for a fresh run
-    args.control.set_stage(run.rank, "training")
-    for epoch in range(first_epoch, args.epochs + 1):
-        loader.sampler.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
-        train_epoch(run, loader, epoch, skip, steps)
-        skip = 0
-        test = evaluate(run)
-        path = save(run, epoch + 1, 0, test)
-        run.log.end_epoch(epoch, test, path)
-        recompiles, signum = agree(run, run.log.recompiles, args.control.stop_signal())
-        if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
-            why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
-            raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
-        if signum and epoch < args.epochs:
-            raise stop_exit(signum, epoch + 1, 0, args)
+    run.control.set_stage(run, "training")
+    try:
+        for epoch in range(first_epoch, args.epochs + 1):
+            loader.sampler.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every replica
+            train_epoch(run, loader, epoch, skip, steps)
+            skip = 0
+    finally:
+        run.log.close()  # TensorBoard's last scalars, on a stop too
+    run.control.set_stage(run, "finishing")  # past the last checkpoint: a stop signal no longer ends the run
     finish(run)
 
 
@@ -291,31 +311,30 @@ def launch(args):
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # the CPU runtime emulates that many devices
     prepare_out_dir(args, hosts)
     prepare_data(args)
-    with run_control(args):
+    with Control(args) as control:
         try:
             if args.spmd:
-                train(start_replica(args, spmd=True))
-            else:
-                xmp.spawn(_mp_fn, args=(args,), nprocs=1 if args.cores == 1 else None)  # None: a process per chip
+                train(start_replica(args, control, spmd=True))
+            else:  # None: a process per TPU chip
+                xmp.spawn(_mp_fn, args=(args, control), nprocs=1 if args.cores == 1 else None)
         except Exit:
             raise  # every replica raised it at the same point
         except Exception as e:
-            reason = why_replicas_ended(args, e)
-            if reason is None:  # a bug in the only replica: main() prints its traceback
-                raise
-            raise reason from e
+            if control.explain(e) is None:
+                raise  # a bug in the only replica: main() prints its traceback
+            raise control.ended from e
 
 
-def _mp_fn(index, args):  # xmp.spawn's entry, once per replica
-    run = start_replica(args, spmd=False)
+def _mp_fn(index, args, control):  # xmp.spawn's entry, once per replica
+    run = start_replica(args, control, spmd=False)
     try:
         train(run)
     except Exit:
         raise  # every replica raises it at the same point: xmp.spawn hands it to launch() once all have ended
-    except BaseException as e:
+    except Exception as e:
         if run.world == 1:
             raise
-        fail_alone(run, e)  # the others would wait for this one in their next all-reduce
+        control.fail_alone(run, e)  # the others would wait for this one in their next all-reduce
 
 
 def main(argv=None):
@@ -442,9 +461,9 @@ def prepare_out_dir(args, hosts):
         raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
 
 
-def start_replica(args, spmd):
+def start_replica(args, control, spmd):
     """Starts the runtime: this replica's device, and its place in the run (under SPMD, the one process's)."""
-    run = types.SimpleNamespace(args=args, mesh=None, world=1, rank=0)
+    run = types.SimpleNamespace(args=args, control=control, mesh=None, world=1, rank=0)
     if spmd:
         xr.use_spmd()  # before the runtime starts: every tensor is one global tensor
         run.devices = xr.global_runtime_device_count()
@@ -458,18 +477,19 @@ def start_replica(args, spmd):
     run.load_batch = args.batch_size  # what this process loads per step
     if spmd:
         run.load_batch = run.global_batch
-    args.control.set_stage(run.rank, "devices")  # the launcher now knows that this replica's runtime started
+    control.set_stage(run, "devices")  # the launcher now knows this replica's process, and that its runtime started
     return run
 
 
 # ---- the model's first weights, the test shard, layerdrop's coin flips, synthetic digits --------------------------
 COLLECTIVE_DTYPES = (torch.float32, torch.bfloat16)  # TPUs all-reduce no int64 (pytorch/xla#1952)
-SEEDING = threading.Lock()  # TPU v2/v3 run two replicas per process, on one global RNG
+# TPU v2/v3 run two replica threads per process, which share the global RNG, sys.stdout and the warnings filters
+ONE_REPLICA_AT_A_TIME = threading.RLock()
 
 
 def initial_model(args):
     """The model's first weights, from --seed alone: the same on every replica, in every run."""
-    with SEEDING:
+    with ONE_REPLICA_AT_A_TIME:
         torch.manual_seed(args.seed)
         return build_model(args)
 
@@ -520,8 +540,8 @@ def synthetic_digits(n, seed):
 
 @contextlib.contextmanager
 def quietly():  # torchvision's download attempts and DCP's notices, which say nothing about this use
-    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):  # noqa: SIM117
-        with warnings.catch_warnings(action="ignore"):  # (one `with` of four items formats into seven lines)
+    with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
+        with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):  # (one `with`: 7 lines)
             yield
 
 
@@ -587,6 +607,10 @@ class Log:
     def write(self, rows):
         with open(os.path.join(self.run.args.out_dir, "metrics.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def close(self):
+        if self.board:
+            self.board.close()
 
     def end_epoch(self, epoch, test, path):
         """The epoch's lines and its record. Compiles are counted per process (TPU v2/v3 hold two replicas)."""
@@ -751,8 +775,8 @@ def resume(run, steps):
     ckpt = read_checkpoint(path)
     try:
         run.model.load_state_dict(ckpt["model"])  # onto the device; under SPMD, replicated
-    except RuntimeError as e:
-        raise Exit(2, f"error: --resume {path}: its model is not this run's: {str(e).splitlines()[1].strip()}") from e
+    except Exception as e:  # PyTorch's message spans lines: one line here
+        raise Exit(2, f"error: --resume {path}: its model is not this run's: {' '.join(str(e).split())}") from e
     run.optimizer.load_state_dict(ckpt["optimizer"])
     for group in run.optimizer.param_groups:
         group.update(lr=args.lr, momentum=args.momentum)  # this run's, given or taken
@@ -789,146 +813,133 @@ def tolerance(args, other_device="CPU"):
     return 2e-2
 
 
-# ---- run control: stop signals, a failing replica, the smoke deadline ---------------------------------------------
+# ---- run control: stop signals, a replica that fails or dies, the smoke deadline -----------------------------------
 class Control:
-    """Where the launcher and its replicas meet. Replicas may run in other processes (xmp.spawn: a process per TPU
-    chip), in pool threads, which cannot take signals. So the launcher alone takes SIGTERM and Ctrl-C and times
-    --smoke's deadline, and they share a folder of small files: `stop` (the signal's number), `failure` (the first
-    lone failure's exit code and line), and `stage-N` (what replica N does: there once its runtime has started)."""
+    """The launcher takes the stop signals, times --smoke's deadline, and watches the replicas: one that fails alone or
+    whose process dies ends them all, as the others would wait for it in their next collective. Replicas may run in
+    other processes, so both sides meet in a folder: `stop` (the signal's number), `replica-N` (replica N's process id
+    and stage), `failed-N` (the line of a replica that failed alone)."""
 
-    def __init__(self):
+    def __init__(self, args):
+        self.args = args
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
         self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own, say
+        self.ended = None  # the Exit of a run that the launcher ended
+        self.seen = {}  # {process id: process} of the replica processes
+
+    def __getstate__(self):  # what a replica process gets: not the launcher's handlers and timers
+        return {"args": self.args, "folder": self.folder}
 
     def write(self, name, text):  # whole, or not there: another process may read it at any moment
-        path = os.path.join(self.folder, name)
-        with open(path + ".tmp", "w") as f:
+        with open(os.path.join(self.folder, name + ".tmp"), "w") as f:
             f.write(text)
-        os.replace(path + ".tmp", path)
+        os.replace(os.path.join(self.folder, name + ".tmp"), os.path.join(self.folder, name))
 
-    def read(self, name):  # the file's text, or None if it is not there (files are renamed into place, never removed)
-        path = os.path.join(self.folder, name)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return f.read()
+    def read(self, prefix):  # {name: text} of the files whose names start with `prefix`, the oldest first
+        paths = [os.path.join(self.folder, n) for n in os.listdir(self.folder) if n.startswith(prefix)]
+        paths = sorted((p for p in paths if not p.endswith(".tmp")), key=os.path.getmtime)
+        return {os.path.basename(p): open(p).read() for p in paths}
 
-    def stop_signal(self):  # the stop signal's number, 0 if none came
-        return int(self.read("stop") or 0)
+    def replicas(self):  # {rank: [process id, stage]} of the replicas whose runtime started, by rank
+        return dict(sorted((int(name[8:]), json.loads(text)) for name, text in self.read("replica-").items()))
 
-    def set_stage(self, rank, stage):  # what the deadline names, should it pass
-        self.write(f"stage-{rank}", stage)
+    # ---- the replicas' side
+    def set_stage(self, run, stage):  # what the deadline names, should it pass
+        self.write(f"replica-{run.rank}", json.dumps([os.getpid(), stage]))
 
-    def stages(self):  # {rank: stage} of the replicas whose runtime started
-        ranks = [int(name[6:]) for name in os.listdir(self.folder) if name.startswith("stage-") and "." not in name]
-        return {rank: self.read(f"stage-{rank}") for rank in sorted(ranks)}
+    def should_stop(self, run, recompiles):
+        """(the stop signal's number or 0, recompiles), each the largest over the replicas: every replica decides alike.
+        With several replicas this waits for the step just launched, as the all-reduce is read at once."""
+        values = [int(self.read("stop").get("stop", 0)), recompiles]
+        if run.world == 1:
+            return values
+        torch_xla.sync()  # cut the step's graph where MpDeviceLoader would: the same graphs
+        agreed = xm.all_reduce(xm.REDUCE_MAX, torch.tensor(values, dtype=torch.float32, device=run.device))
+        return [int(v) for v in agreed.cpu().tolist()]  # float32: TPUs all-reduce no int64 (pytorch/xla#1952)
 
-    def fail(self, code, line):  # the first failure's line and code stay
-        with contextlib.suppress(FileExistsError), open(os.path.join(self.folder, "failure"), "x") as f:
-            json.dump([code, line], f)
+    def fail_alone(self, run, e):  # the launcher reads the line and ends every replica
+        self.write(f"failed-{run.rank}", f"replica {run.rank}: {describe(e)[1]}")
 
+    # ---- the launcher's side
+    def __enter__(self):
+        self.handlers = {}
+        if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only
+            self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.timers = [self.after(0, self.watch)]
+        if self.args.smoke:
+            self.timers.append(self.after(self.args.smoke_timeout, self.deadline_passed))
+        return self
 
-@contextlib.contextmanager
-def run_control(args):
-    """args.control, the stop signals' handlers and --smoke's timer, for the run's length: a notebook that calls fit()
-    keeps its own handlers."""
-    args.control = Control()
-    timers = []
-    handlers = {}
-
-    def on_signal(signum, frame):  # the first asks every replica to save and stop at its next log boundary
-        name = signal.Signals(signum).name
-        if args.control.stop_signal():  # the second
-            end_now(args, 128 + signum, f"stopped by a second {name}, at once: nothing saved")
-            return
-        args.control.write("stop", str(signum))
-        late = f"stopped by {name}: no log boundary within {STOP_GRACE} s, nothing saved"
-        timers.append(start_timer(STOP_GRACE, end_now, args, 128 + signum, late))
-
-    if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only
-        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    if args.smoke:
-        timers.append(start_timer(args.smoke_timeout, deadline_passed, args))
-    try:
-        yield
-    finally:
-        for signum, handler in handlers.items():
+    def __exit__(self, *exc):
+        for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
-        for timer in timers:
+        for timer in self.timers:
             timer.cancel()
-        shutil.rmtree(args.control.folder, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)  # (which also ends the watch)
 
+    def after(self, seconds, action, *args):  # a daemon thread: the process never waits for it
+        timer = threading.Timer(seconds, action, args)
+        timer.daemon = True
+        timer.start()
+        return timer
 
-def start_timer(seconds, action, *args):  # a daemon thread: the process never waits for it
-    timer = threading.Timer(seconds, action, args)
-    timer.daemon = True
-    timer.start()
-    return timer
+    def on_signal(self, signum, frame):  # the first asks every replica to save and stop at its next log boundary
+        name = signal.Signals(signum).name
+        stages = {stage for _, stage in self.replicas().values()}
+        if self.read("stop"):
+            self.end(128 + signum, f"stopped by a second {name}, at once: nothing saved")
+        elif stages <= {"devices"}:
+            self.end(128 + signum, f"stopped by {name} before training began: nothing to save")
+        else:
+            self.write("stop", str(signum))
+            self.timers.append(self.after(STOP_GRACE, self.grace_over, name, 128 + signum))
 
+    def grace_over(self, name, code):  # replicas past their last checkpoint are left to finish
+        if "training" in [stage for _, stage in self.replicas().values()]:
+            self.end(code, f"stopped by {name}: no log boundary within {STOP_GRACE} s, nothing saved")
 
-def end_now(args, code, line):
-    """Ends the run at once, saving nothing. Replica processes are killed (one left behind would hold the TPU), so
-    xmp.spawn raises in the launcher, which exits with this line. A replica in this process cannot be stopped: it ends
-    here."""
-    children = [p for p in multiprocessing.active_children() if p.pid not in args.control.not_ours]
-    if not children:
-        print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
-        os._exit(code)
-    args.control.fail(code, line)
-    for child in children:
-        child.kill()
+    def watch(self):  # xmp.spawn's process pool may never look at a worker started after its first (Python 3.11)
+        with contextlib.suppress(FileNotFoundError):  # the folder goes when the run ends
+            while self.ended is None:
+                if self.why_replicas_ended():
+                    self.end(1, self.why_replicas_ended())
+                time.sleep(0.5)
 
+    def why_replicas_ended(self):  # a process that died first: a survivor's error in a collective only follows
+        self.seen.update((p.pid, p) for p in multiprocessing.active_children() if p.pid not in self.not_ours)
+        for p in self.seen.values():
+            if p.exitcode not in (None, 0):
+                how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                ranks = [str(rank) for rank, (pid, _) in self.replicas().items() if pid == p.pid] or ["?"]
+                return f"failed: replica {' and '.join(ranks)}'s process died ({how}); its checkpoints stay"
+        return next(iter(self.read("failed-").values()), None)
 
-def agree(run, *values):
-    """Each value's largest over the replicas: the same decision on every replica, as one that stopped alone would
-    leave the others waiting in an all-reduce. Sent as float32: TPUs all-reduce no int64 (pytorch/xla#1952)."""
-    if run.world == 1:
-        return list(values)
-    torch_xla.sync()  # cut the step's graph where MpDeviceLoader would: the same graphs
-    agreed = xm.all_reduce(xm.REDUCE_MAX, torch.tensor(values, dtype=torch.float32, device=run.device))
-    return [int(v) for v in agreed.cpu().tolist()]  # a deliberate wait: at log boundaries, with replicas only
+    def end(self, code, line):
+        """Ends the run at once: kills the replica processes (one left behind would hold its TPU chip), so that
+        xmp.spawn raises in the launcher, which exits with this line. A replica in this process cannot be stopped."""
+        self.ended = Exit(code, line)
+        children = [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
+        if not children:
+            print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
+            os._exit(code)
+        for child in children:
+            child.kill()
 
+    def explain(self, e):  # the Exit for what xmp.spawn (or the only replica) raised, or None: a bug
+        if self.ended is None and self.why_replicas_ended():  # xmp.spawn's pool saw it before the watch did
+            self.ended = Exit(1, self.why_replicas_ended())
+        if self.ended is None and not self.replicas():
+            self.ended = Exit(2, f"error: the {self.args.kind} runtime did not start: {first_line(e)}")
+        return self.ended
 
-def stop_exit(signum, epoch, step, args):
-    name = signal.Signals(signum).name
-    return Exit(
-        128 + signum,
-        f"stopped by {name} at epoch {epoch} step {step}, checkpoint saved: continue with --resume {args.out_dir}",
-    )
-
-
-def fail_alone(run, e):
-    """This replica failed where the others go on to their next all-reduce, and would wait for it there for ever: it
-    leaves its line for the launcher and ends its process; xmp.spawn's process pool then ends the others."""
-    code, line = describe(e)
-    run.args.control.fail(code, f"replica {run.rank}: {line}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def why_replicas_ended(args, e):
-    """Why the replicas ended, as an Exit, when xmp.spawn (or train) raised `e`, not an agreed Exit; None: a bug."""
-    failure = args.control.read("failure")
-    if failure:
-        return Exit(*json.loads(failure))
-    if not args.control.stages():  # no replica's runtime started
-        return Exit(2, f"error: the {args.kind} runtime did not start: {first_line(e)}")
-    if isinstance(e, BrokenProcessPool):
-        return Exit(1, "failed: a replica process died without a word (killed? out of memory?); its checkpoints stay")
-    return None
+    def deadline_passed(self):  # the replicas' stage FAILs (the lowest replica's, if they differ)
+        stage = next(iter(self.replicas().values()), [0, "devices"])[1]
+        line = f"{stage} did not finish within --smoke-timeout"
+        publish(self.args, [dict(name=stage, passed=False, figure=f"{line} {self.args.smoke_timeout:g} s")])
+        self.end(5, f"failed: smoke verdict FAIL: {line}")
 
 
 # ---- the smoke verdict: is this machine fit to train on? ----------------------------------------------------------
-def deadline_passed(args):
-    """--smoke-timeout has passed: the stage that the replicas are in FAILs (the lowest replica's, if they differ)."""
-    stages = list(args.control.stages().values())
-    stage = stages[0] if stages else "devices"
-    line = f"{stage} did not finish within --smoke-timeout"
-    publish(args, [dict(name=stage, passed=False, figure=f"{line} {args.smoke_timeout:g} s")])
-    end_now(args, 5, f"failed: smoke verdict FAIL: {line}")
-
-
 def finish(run):  # the run's end: the smoke verdict (exit 5), or --target-accuracy (exit 21)
     args = run.args
     accuracy = run.log.accuracy or 0.0
@@ -949,10 +960,10 @@ def smoke_verdict(run):
         ("compilation", check_compilation),
         ("learning", check_learning),
     ):
-        run.args.control.set_stage(run.rank, name)
+        run.control.set_stage(run, name)
         passed, figure = check(run)
         checks.append(dict(name=name, passed=passed, figure=figure))
-    run.args.control.set_stage(run.rank, "verdict")
+    run.control.set_stage(run, "verdict")
     combine_replicas(run, checks)
     if run.rank == 0:
         publish(run.args, checks)
@@ -1009,8 +1020,8 @@ def check_checkpoint(run):  # the newest checkpoint, read back from disk: the we
     path = find_checkpoint(run.args.out_dir)
     saved = read_checkpoint(path)
     pairs = [(t, saved["model"][name]) for name, t in run.model.state_dict().items()]
-    for i, state in run.optimizer.state_dict()["state"].items():
-        pairs.append((state["momentum_buffer"], saved["optimizer"]["state"][i]["momentum_buffer"]))
+    for i, state in run.optimizer.state_dict()["state"].items():  # whatever the optimizer keeps: SGD's momentum, Adam's
+        pairs += [(t, saved["optimizer"]["state"][i][key]) for key, t in state.items() if torch.is_tensor(t)]
     same = sum(torch.equal(a.cpu(), b) for a, b in pairs)
     return same == len(pairs), f"{path} read back: {same}/{len(pairs)} tensors identical"
 
@@ -1087,13 +1098,6 @@ def fit(**flags):
             verdict = json.load(f)
     return types.SimpleNamespace(model=model, out_dir=args.out_dir, verdict=verdict, **read_metrics(args.out_dir))
 
-
-# A replica process of xmp.spawn imports this file before it runs anything (as __mp_main__ under `python train_tpu.py`).
-# A preemption sends SIGTERM to the whole process group, and Ctrl-C sends SIGINT: the launcher takes them, and tells
-# the replicas. Here, the one place where a replica process can, it ignores them, instead of dying before it saves.
-if multiprocessing.current_process().name != "MainProcess":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 if __name__ == "__main__":
     exit_code = main()
