@@ -248,30 +248,6 @@ def train_epoch(run, loader, epoch, skip, last):
     checkpoint_or_stop(run, epoch, step)
 
 
-def checkpoint_or_stop(run, epoch, step):
-    """At a log boundary, and at the epoch's end: the replicas agree whether to stop, then it saves what is due."""
-    args = run.args
-    recompiles = 0 if run.log.warm_compiles is None else compiles()[0] - run.log.warm_compiles
-    signum, recompiles = run.control.should_stop(run, recompiles)
-    if step == run.log.last:  # the epoch's end: evaluated, saved, logged
-        test = evaluate(run)
-        run.log.end_epoch(epoch, test, save(run, epoch + 1, 0, test))
-        if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
-            why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
-            raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
-        epoch, step = epoch + 1, 0  # where a stop here continues from
-        if epoch > args.epochs:  # a stop after the last epoch lets the run finish
-            signum = 0
-    elif signum:
-        save(run, epoch, step)  # a stop saves without evaluating
-    elif args.save_steps is not None and step % args.save_steps == 0:
-        save(run, epoch, step, evaluate(run))
-    if signum:
-        name = signal.Signals(signum).name
-        where = f"at epoch {epoch} step {step}, checkpoint saved: continue with --resume {args.out_dir}"
-        raise Exit(128 + signum, f"stopped by {name} {where}")
-
-
 def train(run):
     """One replica's run (under SPMD, the one process's): model, data, then the epochs."""
     args = run.args
@@ -348,6 +324,31 @@ def main(argv=None):
 
 
 # ==== the instruments, each called by name from the training path above ============================================
+
+
+# ---- at each log boundary: the stop agreement, and the saves that are due --------------------------------------------
+def checkpoint_or_stop(run, epoch, step):
+    """At a log boundary, and at the epoch's end: the replicas agree whether to stop, then it saves what is due."""
+    args = run.args
+    recompiles = 0 if run.log.warm_compiles is None else compiles()[0] - run.log.warm_compiles
+    signum, recompiles = run.control.should_stop(run, recompiles)
+    if step == run.log.last:  # the epoch's end: evaluated, saved, logged
+        test = evaluate(run)
+        run.log.end_epoch(epoch, test, save(run, epoch + 1, 0, test))
+        if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
+            why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
+            raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
+        epoch, step = epoch + 1, 0  # where a stop here continues from
+        if epoch > args.epochs:  # a stop after the last epoch lets the run finish
+            signum = 0
+    elif signum:
+        save(run, epoch, step)  # a stop saves without evaluating
+    elif args.save_steps is not None and step % args.save_steps == 0:
+        save(run, epoch, step, evaluate(run))
+    if signum:
+        name = signal.Signals(signum).name
+        where = f"at epoch {epoch} step {step}, checkpoint saved: continue with --resume {args.out_dir}"
+        raise Exit(128 + signum, f"stopped by {name} {where}")
 
 
 # ---- errors, flag types ------------------------------------------------------------------------------------------
