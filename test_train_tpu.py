@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -287,9 +288,9 @@ def save(data, path, **kw):  # the master writes a stop's checkpoint 2 s late
     if xr.global_ordinal() == 0 and data["test_loss"] is None:
         time.sleep(2)
     real_save(data, path, **kw)
-def publish(args, checks):  # and its verdict
+def publish(out_dir, checks):  # and its verdict
     time.sleep(2)
-    real_publish(args, checks)
+    real_publish(out_dir, checks)
 xm.save, tt.publish = save, publish
 """
 REPLICA_1_FAILS = """
@@ -345,7 +346,7 @@ real_numerics = tt.check_numerics
 def check_numerics(run):  # replica 1's device computes the first step wrong
     passed, figure = real_numerics(run)
     return passed and run.rank != 1, figure
-tt.check_numerics = check_numerics
+tt.CHECKS = (tt.CHECKS[0], check_numerics, *tt.CHECKS[2:])
 """
 STALL = """
 def all_reduce(*args, **kwargs):  # a collective that never completes
@@ -514,7 +515,7 @@ def last_line_of(err):
 
 
 def final(out_dir):
-    return tt.read_checkpoint(tt.find_checkpoint(str(out_dir)))
+    return tt.load_checkpoint(tt.find_checkpoint(str(out_dir)))
 
 
 # ---- model, data, layerdrop (in this process) ----------------------------------------------------------------------
@@ -605,7 +606,7 @@ def test_mnist_files_are_read_as_uint8_and_scaled_as_torchvision_would(tmp_path)
 
 
 def fake_run(world, rank, batch, seed=3):
-    return tt.types.SimpleNamespace(world=world, rank=rank, load_batch=batch, args=tt.parse_args(["--seed", seed]))
+    return types.SimpleNamespace(world=world, rank=rank, load_batch=batch, args=tt.parse_args(["--seed", seed]))
 
 
 def test_each_epoch_reshuffles_into_disjoint_shards_that_cover_the_set():
@@ -646,7 +647,7 @@ def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, bat
         (["--epochs", "0"], "argument --epochs: must be >= 1, got 0"),
         (["--lr", "nan"], "argument --lr: must be > 0, got nan"),
         (["--lr", "x"], "argument --lr: invalid float value: 'x'"),
-        (["--momentum", "1"], "argument --momentum: must be in [0, 1), got 1"),
+        (["--momentum", "1"], "argument --momentum: must be in [0, 1), got 1.0"),
         (["--layerdrop-prob", "1.5"], "must be in [0, 1], got 1.5"),
         (["--layerdrop", "sometimes"], "argument --layerdrop: invalid choice: 'sometimes'"),
         (["--smoke-timeout", "0"], "argument --smoke-timeout: must be > 0"),
@@ -726,9 +727,8 @@ def test_on_a_pod_slice_one_host_modes_are_refused_and_out_dir_is_needed(pod, tm
     assert tt.check_environment(args) == ("TPU", 4, 4)
     with pytest.raises(tt.Exit, match="--out-dir is needed on a pod slice"):  # runs/<time> differs per host
         tt.prepare_out_dir(args, 4)
-    args.out_dir = str(tmp_path / "shared")
-    tt.prepare_out_dir(args, 4)
-    assert os.path.isdir(args.out_dir)
+    assert tt.prepare_out_dir(tt.parse_args(["--out-dir", tmp_path / "shared"]), 4) == str(tmp_path / "shared")
+    assert os.path.isdir(tmp_path / "shared")
 
 
 def test_a_tpu_vm_whose_metadata_cannot_be_read_exits_2(pod, monkeypatch):
@@ -747,8 +747,7 @@ def test_a_tpu_vm_whose_metadata_cannot_be_read_exits_2(pod, monkeypatch):
 def test_the_devices_check_compares_with_what_the_tpu_metadata_says_the_slice_holds(pod, monkeypatch):
     from torch_xla._internal import tpu
 
-    run = tt.types.SimpleNamespace(args=tt.parse_args([]))
-    run.args.kind = "TPU"
+    run = types.SimpleNamespace(args=tt.parse_args([]), kind="TPU")
     monkeypatch.setattr(tpu, "num_available_chips", lambda: 3)  # a chip missing from this host's PCI bus
     monkeypatch.setattr(tt.xr, "global_runtime_device_count", lambda: 12)  # so xmp.spawn started 3 x 4 replicas
     assert tt.check_devices(run) == (
@@ -761,7 +760,7 @@ def test_the_devices_check_compares_with_what_the_tpu_metadata_says_the_slice_ho
     assert tt.check_devices(run)[0] is True
     monkeypatch.setattr(tpu, "num_logical_cores_per_chip", lambda: 2)  # a v3: two cores per chip
     assert tt.check_devices(run)[0] is False and "32 in the slice" in tt.check_devices(run)[1]
-    run.args.cores = 1
+    run.args = tt.parse_args(["--cores", 1])
     assert tt.check_devices(run)[0] is None  # one core of a slice: nothing to compare
 
 
@@ -815,11 +814,11 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     tt.broadcast_weights(model)
     assert len(sent) == 6 and set(sent) == {torch.float32}  # 4 parameters, the running mean and variance
     sent.clear()
-    run = tt.types.SimpleNamespace(world=2, device=torch.device("cpu"))
-    control = tt.Control(tt.parse_args([]))
-    assert control.should_stop(run, 3) == [0, 3] and sent == [torch.float32]
+    run = types.SimpleNamespace(world=2, device=torch.device("cpu"))
+    control = tt.Control(tt.parse_args([]), "out")
+    assert control.agree(run, [control.stop_signal(), 3]).tolist() == [0, 3] and sent == [torch.float32]
     control.write("stop", "15")
-    assert control.should_stop(run, 3) == [15, 3]
+    assert control.agree(run, [control.stop_signal(), 3]).tolist() == [15, 3]
 
 
 def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings_as_they_were():
@@ -852,15 +851,15 @@ def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings
 
 def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_batch_over_their_seconds(monkeypatch):
     printed = []
-    monkeypatch.setattr(tt, "print0", printed.append)
     monkeypatch.setattr(tt, "compiles", lambda: (7, 1.5))
     monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
-    run = tt.types.SimpleNamespace(rank=1, global_batch=256, args=tt.parse_args([]))
-    log = tt.Log(run, steps=30)
-    log.start_epoch(1, 2, 30)  # timed from step 2 to step 30
+    run = types.SimpleNamespace(master=False, steps=30, global_batch=256, recompiles=0, args=tt.parse_args([]))
+    run.print = printed.append
+    log = tt.Log(run)
+    log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
     log.losses[30] = 0.25
     log.times = {2: 100.0, 10: 101.0, 30: 107.0}
-    log.end_epoch(1, tt.TestResult(0.5, 90.0, 1000), "ckpt")
+    log.end_epoch(tt.TestResult(0.5, 90.0, 1000), "ckpt")
     assert f"| {28 * 256 / 7.0:,.0f} samples/s |" in printed[1] and "1,024 samples/s" in printed[1]
 
 
@@ -870,10 +869,9 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
     optimizer = torch.optim.Adam(model.parameters())  # step, exp_avg, exp_avg_sq: no momentum_buffer
     F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3])).backward()
     optimizer.step()
-    ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), epoch=2, samples=0, config={})
+    ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), epoch=2, samples=0, settings={})
     torch.save(ckpt, tmp_path / "checkpoint-0002-000000000.pt")
-    run = tt.types.SimpleNamespace(rank=0, model=model, optimizer=optimizer, args=tt.parse_args([]))
-    run.args.out_dir = str(tmp_path)
+    run = types.SimpleNamespace(master=True, model=model, optimizer=optimizer, out_dir=str(tmp_path))
     assert tt.check_checkpoint(run) == (
         True,
         f"{tmp_path}/checkpoint-0002-000000000.pt read back: 16/16 tensors identical",
@@ -884,34 +882,43 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
 
 def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint-0002-000000000.pt"
-    torch.save(dict(model={"w": torch.zeros(1)}, optimizer={}, epoch=2, samples=0, config={}), path)
-    run = tt.types.SimpleNamespace(args=tt.parse_args(["--resume", str(path)]), model=tt.ToyModel())
+    torch.save(dict(model={"w": torch.zeros(1)}, optimizer={}, epoch=2, samples=0, settings={}), path)
+    run = types.SimpleNamespace(args=tt.parse_args(["--resume", str(path)]), model=tt.ToyModel())
     with pytest.raises(tt.Exit, match=r"its model is not this run's: Error\(s\) in loading state_dict for ToyModel: "):
-        tt.resume(run, 10)
+        tt.resume(run)
 
     def one_line(state):
         raise RuntimeError("one line")
 
     monkeypatch.setattr(run.model, "load_state_dict", one_line)
     with pytest.raises(tt.Exit, match="its model is not this run's: one line$"):
-        tt.resume(run, 10)
+        tt.resume(run)
 
 
-def test_the_verdict_combines_every_replicas_checks(monkeypatch, capsys):
+def test_the_verdict_combines_every_replicas_checks(monkeypatch, tmp_path, capsys):
     """Replica 1 of 2 fails numerics: the master, whose own numerics passed, reports it (TPU: not run here)."""
-    checks = [
-        dict(name=n, passed=p, figure="f") for n, p in (("devices", None), ("numerics", True), ("learning", True))
-    ]
 
-    def all_reduce(kind, table):  # the sum over the replicas: this one's row, and replica 1's
-        assert kind == tt.xm.REDUCE_SUM and table.shape == (2, 3) and table[1].sum() == 0
-        return table + torch.tensor([[0.0, 0, 0], [0, 1, 0]])
+    def check_devices(run):
+        return None, "f"
 
+    def check_numerics(run):
+        return True, "f"
+
+    def all_reduce(kind, table):  # the largest over the replicas: this one's row, and replica 1's
+        assert kind == tt.xm.REDUCE_MAX and table.shape == (2, 2) and table.sum() == 0
+        return table + torch.tensor([[0.0, 0], [0, 1]])
+
+    monkeypatch.setattr(tt, "CHECKS", (check_devices, check_numerics))
     monkeypatch.setattr(tt.xm, "all_reduce", all_reduce)
     monkeypatch.setattr(tt.torch_xla, "sync", lambda: None)
-    tt.combine_replicas(tt.types.SimpleNamespace(world=2, rank=0, device=torch.device("cpu")), checks)
-    assert [c["passed"] for c in checks] == [None, False, True]
-    assert checks[1]["figure"] == "f | FAILED on replica(s) [1]"
+    control = tt.Control(tt.parse_args([]), str(tmp_path))
+    run = types.SimpleNamespace(world=2, rank=0, master=True, device=torch.device("cpu"), control=control)
+    run.out_dir = str(tmp_path)
+    with pytest.raises(tt.Exit, match="^failed: smoke verdict FAIL: numerics$"):
+        tt.smoke_verdict(run)
+    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    assert [c["passed"] for c in verdict["checks"]] == [None, False]
+    assert verdict["checks"][1]["figure"] == "f | FAILED on replica(s) [1]"
 
 
 # ---- checkpoints and metrics (in this process) ---------------------------------------------------------------------
@@ -926,7 +933,7 @@ def test_damaged_checkpoints_exit_2_in_one_line(runs, tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     for path in ("cut.pt", "other.pt", "dcp"):
         with pytest.raises(tt.Exit, match=f"--resume .*{path}: cannot read it"):
-            tt.read_checkpoint(str(tmp_path / path))
+            tt.load_checkpoint(str(tmp_path / path))
 
 
 def test_history_keeps_each_step_once_as_last_trained_and_skips_a_torn_line(tmp_path):
@@ -1027,7 +1034,7 @@ def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(ru
         last_line(back).startswith("train_tpu.py: failed: test accuracy ") and "--target-accuracy 100.5" in back.stderr
     )
     resumed = final(runs["root"] / "conv")  # --lr given anew: the optimizer the resumed run stepped with took it
-    assert [g["lr"] for g in resumed["optimizer"]["param_groups"]] == [0.02] and resumed["config"]["lr"] == 0.02
+    assert [g["lr"] for g in resumed["optimizer"]["param_groups"]] == [0.02] and resumed["settings"]["lr"] == 0.02
     assert "| lr 0.02 |" in back.stdout
 
 
@@ -1064,7 +1071,7 @@ def tampered(root):
         "device": "CPU",
         "test_loss": 0.05,
         "accuracy": 99.0,
-        "config": dict(data="synthetic", data_dir="data", epochs=2, seed=0),
+        "settings": dict(data="synthetic", data_dir="data", epochs=2, seed=0),
     }
     os.makedirs(root / "tampered")
     torch.save(saved, root / "tampered" / "checkpoint-0002-000000000.pt")
@@ -1347,9 +1354,9 @@ def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(r
     """A save every N steps never lands on the epoch's last step (the epoch's end saves): --resume would refuse it."""
     for folder, devices in (("base", 1), ("stop-SIGTERM", 1), ("two", 2), ("two-killed", 2)):
         for path in tt.checkpoints(str(runs["root"] / folder)):
-            ckpt = tt.read_checkpoint(path)
-            steps, rest = divmod(ckpt["samples"], ckpt["config"]["batch_size"] * devices)
-            assert rest == 0 and steps < ckpt["config"]["steps_per_epoch"], path
+            ckpt = tt.load_checkpoint(path)
+            steps, rest = divmod(ckpt["samples"], ckpt["settings"]["batch_size"] * devices)
+            assert rest == 0 and steps < ckpt["settings"]["steps_per_epoch"], path
 
 
 # ---- your own data and model: two edits ----------------------------------------------------------------------------
