@@ -811,7 +811,7 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     monkeypatch.setattr(tt.xm, "all_reduce", lambda kind, t: sent.append(t.dtype) or t)
     monkeypatch.setattr(tt.torch_xla, "sync", lambda: None)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    tt.broadcast_weights(model)
+    tt.broadcast_weights(types.SimpleNamespace(world=2, model=model))
     assert len(sent) == 6 and set(sent) == {torch.float32}  # 4 parameters, the running mean and variance
     sent.clear()
     run = types.SimpleNamespace(world=2, device=torch.device("cpu"))
@@ -854,13 +854,13 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     monkeypatch.setattr(tt, "compiles", lambda: (7, 1.5))
     monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
     run = types.SimpleNamespace(master=False, steps=30, global_batch=256, recompiles=0, args=tt.parse_args([]))
-    run.print = printed.append
+    vars(run).update(mesh=None, devices=2, kind="CPU", out_dir="out", print=printed.append)
     log = tt.Log(run)
     log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
     log.losses[30] = 0.25
     log.times = {2: 100.0, 10: 101.0, 30: 107.0}
     log.end_epoch(tt.TestResult(0.5, 90.0, 1000), "ckpt")
-    assert f"| {28 * 256 / 7.0:,.0f} samples/s |" in printed[1] and "1,024 samples/s" in printed[1]
+    assert f"| {28 * 256 / 7.0:,.0f} samples/s |" in printed[2] and "1,024 samples/s" in printed[2]
 
 
 def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_path):

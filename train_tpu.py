@@ -1,13 +1,10 @@
 """train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN on MNIST on every TPU core (xmp.spawn), or
 from one process that shards each batch over every device (--spmd). The training path comes first, in the order a run
-executes; the instruments it calls follow. Your own model takes two edits, to the sections marked "your own".
-
+executes, and the instruments it calls follow. Your own model takes two edits, to the sections marked "your own".
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 0 or 5
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
-
-README.md has the rest: the output, the exit codes, checkpoints, preemption and the smoke verdict.
 """
 
 import multiprocessing
@@ -30,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -60,21 +56,16 @@ except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an
     XLA_IMPORT_ERROR = e
 
 SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # --smoke's presets
-WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
-KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
-STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU VM has about 30.
 
 
-# ---- flags --------------------------------------------------------------------------------------------------------
+# ---- flags -----------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # devices and data
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: every device")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
-    # training
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=128, help="samples per device per step")
     p.add_argument("--lr", type=float, default=0.05, help="as given: not scaled by the number of devices")
@@ -83,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffles and layerdrop's coins")
     p.add_argument("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
     p.add_argument("--target-accuracy", type=float, default=0.0, help="exit 21 if the final accuracy (%%) is below")
-    # layerdrop, the article's lesson: a graph that changes from step to step recompiles
+    # layerdrop, the article's lesson: a graph that changes from step to step recompiles.
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--max-recompiles", type=int, help="exit 3 if more graphs compile after the first epoch")
@@ -91,7 +82,6 @@ def parse_args(argv=None):
     presets = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in SMOKE.items())
     p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 0 or 5; presets: {presets}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
-    # logging, checkpoints, preemption
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps")
@@ -99,29 +89,16 @@ def parse_args(argv=None):
     if "--smoke" in argv:
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
-    if args.smoke and args.resume:
-        p.error("--smoke checks a fresh run: leave out --resume")
-    if args.resume:  # A resumed run takes the settings it was saved with, except those given again now.
+    if (
+        args.resume and not args.smoke
+    ):  # A resumed run takes the settings it was saved with, except those given again now.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
-    for names, rule, ok in RANGES:
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not ok(value):  # NaN fails every comparison, so it is refused too.
-                p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
+    check_flags(p, args)
     return args
 
 
-RANGES = (  # The flags' allowed values: (flags, the rule in words, the test).
-    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
-    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
-    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
-    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
-    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
-)
-
-
-# ---- data: your own goes here (edit 1 of 2) -----------------------------------------------------------------------
+# ---- data: your own goes here (edit 1 of 2) --------------------------------------------------------------------------
 def load_split(args, train):
     """One split as in-memory tensors: uint8 images (N, 1, 28, 28) and labels (N,)."""
     if args.data == "synthetic":
@@ -131,15 +108,13 @@ def load_split(args, train):
 
 
 def model_input(images):
-    """Runs on the device. The host sends uint8 pixels, a quarter of float32's bytes; they are scaled here exactly as
-    torchvision's Normalize would."""
+    """On the device: the host sends uint8 pixels (a quarter of float32's bytes), scaled here as Normalize() would."""
     if images.dtype != torch.uint8:  # load_split was replaced and this was not: never rescale floats silently.
         raise TypeError(f"model_input expects uint8 pixels, got {images.dtype}: replace it too")
     return (images.float() / 255 - 0.1307) / 0.3081
 
 
-def prepare_data(args):
-    """Downloads MNIST once, before any replica starts, so that replicas never race to download it."""
+def prepare_data(args):  # Once, before any replica starts, so that replicas never race to download MNIST.
     if args.data != "mnist":
         return
     try:
@@ -151,7 +126,7 @@ def prepare_data(args):
         raise Exit(2, f"error: {why}: copy it there, or use --data synthetic") from e
 
 
-# ---- model: your own goes here (edit 2 of 2) ----------------------------------------------------------------------
+# ---- model: your own goes here (edit 2 of 2) -------------------------------------------------------------------------
 class ToyModel(nn.Module):
     """A small CNN that returns logits. With layerdrop, a shared fc2 is applied up to 50 times, each on a coin flip."""
 
@@ -189,39 +164,12 @@ def build_model(args):
     return ToyModel(args.layerdrop)
 
 
-# ---- the first weights, and the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader --------------------------
-def initial_model(args):
-    """The model's first weights come from --seed alone, so they are the same on every replica and in every run."""
-    with ONE_REPLICA_AT_A_TIME:  # TPU v2/v3 run two replica threads, which share the global RNG.
-        torch.manual_seed(args.seed)
-        return build_model(args)
-
-
-def broadcast_weights(model):
-    """Every replica takes the master's weights, in case a model's initialisation does not follow the seed. Integer
-    buffers are left out: TPUs all-reduce no int64 (pytorch/xla#1952), and a step count starts equal anyway."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    xm.collective_broadcast([t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)])
-    torch_xla.sync()
-
-
+# ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
 def train_loader(run, images, labels):
     """This replica's shard of the training set, in whole batches so that every step has one shape and one graph."""
     data = StackDataset(image=images, label=labels)  # It collates a batch in one indexing, 10x faster than per sample.
     shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
     return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None)
-
-
-def test_loader(run, images, labels):
-    """This replica's share of the test set. It is padded with samples marked valid=0, so that every replica runs the
-    same number of batches of one shape, and each test sample is counted exactly once over the replicas."""
-    index = torch.arange(run.rank, len(labels), run.world)
-    share = math.ceil(len(labels) / run.world)
-    size = math.ceil(share / run.load_batch) * run.load_batch
-    valid = (torch.arange(size) < len(index)).float()
-    index = torch.cat([index, index.new_zeros(size - len(index))])
-    data = StackDataset(image=images[index], label=labels[index], valid=valid)
-    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, False), batch_size=None)
 
 
 def on_device(run, loader, skip=0, stop=None):
@@ -234,18 +182,7 @@ def on_device(run, loader, skip=0, stop=None):
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
 
 
-# ---- the step and evaluation --------------------------------------------------------------------------------------
-def layerdrop_keep(args, epoch, step, device):
-    """The step's fc2 decisions. They depend on (seed, epoch, step) only, so every replica traces the same graph (one
-    that dropped other layers would all-reduce other gradients), and a resumed run makes the same ones."""
-    if args.layerdrop == "off":
-        return None
-    keep = np.random.default_rng([args.seed, epoch, step]).random(50) >= args.layerdrop_prob
-    if args.layerdrop == "dynamic":
-        return keep.tolist()
-    return torch.tensor(keep, device=device)
-
-
+# ---- the step and evaluation -----------------------------------------------------------------------------------------
 def train_step(run, batch, keep):
     """One step, traced lazily: nothing runs on the device until MpDeviceLoader cuts the graph."""
     run.optimizer.zero_grad()
@@ -281,7 +218,7 @@ def evaluate(run):
     return TestResult(loss / count, 100 * hits / count, int(count))
 
 
-# ---- the epochs ---------------------------------------------------------------------------------------------------
+# ---- the epochs ------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:
     """Everything one replica knows and makes. Under SPMD, the one process is the one replica."""
@@ -292,9 +229,12 @@ class Run:
     control: "Control"  # how the replicas learn of a stop signal, and tell the launcher that one failed
     device: torch.device  # this replica's device; under SPMD, the first of the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
-    rank: int = 0  # this replica's place among them; 0 is the master, which prints and writes
+    rank: int = 0  # this replica's place among them
+    master: bool = True  # whether this replica prints and writes: rank 0's job, and the one test of it in this file
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
+    global_batch: int = 0  # samples per step, over every device
+    load_batch: int = 0  # samples this process loads per step: the replica's, or under SPMD the global batch
     steps: int = 0  # steps per epoch
     model: nn.Module = None
     optimizer: torch.optim.Optimizer = None
@@ -304,20 +244,6 @@ class Run:
     accuracy: float = None  # the last epoch's test accuracy
     warm_compiles: int = None  # graphs compiled in this process by the end of the run's first epoch, its warm-up
     recompiles: int = 0  # graphs compiled after the warm-up: the most in any replica's process
-
-    @property
-    def master(self):  # The one test of "am I the master" in this file.
-        return self.rank == 0
-
-    @property
-    def global_batch(self):  # samples per step, over every device
-        return self.args.batch_size * self.devices
-
-    @property
-    def load_batch(self):  # samples this process loads per step
-        if self.mesh is None:
-            return self.args.batch_size
-        return self.global_batch
 
     def print(self, line):  # The master prints. A replica process's output is piped, so it is flushed at once.
         if self.master:
@@ -341,9 +267,8 @@ def train_epoch(run, loader, epoch, skip):
 def train(run):
     """One replica's run: the model, the data, then the epochs."""
     args = run.args
-    run.model = initial_model(args).to(run.device)
-    if run.world > 1:
-        broadcast_weights(run.model)
+    run.model = initial_model(args).to(run.device)  # from --seed alone
+    broadcast_weights(run)  # With several replicas, each takes the master's weights.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     loader = train_loader(run, *load_split(args, train=True))
@@ -351,13 +276,7 @@ def train(run):
     run.steps = min(len(loader), args.steps_per_epoch or len(loader))
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
-    mode = "a replica each"
-    if run.mesh is not None:
-        mode = "SPMD"
-    sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr}"
-    writer = f"out {run.out_dir}, written by ordinal 0 on {socket.gethostname()}"
-    run.print(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
-    run.log = Log(run)
+    run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
     first_epoch, skip = resume(run)  # (1, 0) for a fresh run
     run.control.set_stage(run, "training")
     try:
@@ -367,22 +286,10 @@ def train(run):
             skip = 0
     finally:
         run.log.close()  # TensorBoard writes its last scalars, on a stop too.
-    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
     finish(run)
 
 
-# ---- launch: xmp.spawn, a replica per device, or SPMD in this process ---------------------------------------------
-def prepare(args):
-    """Everything that can be refused before any device starts, as xmp.spawn refuses to run once one has. Returns the
-    device kind and the run folder."""
-    kind, hosts, cores = check_environment(args)
-    if args.spmd and kind == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
-    out_dir = prepare_out_dir(args, hosts)
-    prepare_data(args)
-    return kind, out_dir
-
-
+# ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
 def launch(args, kind, out_dir):
     """Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit."""
     with Control(args, out_dir) as control:
@@ -394,14 +301,11 @@ def launch(args, kind, out_dir):
         except Exit:
             raise  # Every replica raised it at the same point.
         except Exception as e:
-            ended = control.explain(e, kind)
-            if ended is None:
-                raise  # a bug in the only replica: main() prints its traceback
-            raise ended from e
+            control.explain(e, kind)  # It raises the Exit for what ended the replicas, when the launcher knows it.
+            raise  # a bug in the only replica: main() prints its traceback
 
 
-def _mp_fn(index, args, kind, out_dir, control):
-    """xmp.spawn's entry point, once per replica."""
+def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica
     run = start_replica(args, kind, out_dir, control)
     try:
         train(run)
@@ -428,7 +332,7 @@ def main(argv=None):
     return code
 
 
-# ==== the instruments, each called by name from the training path above ============================================
+# ==== the instruments, each called by name from the training path above ===============================================
 
 
 # ---- at each log boundary: the stop agreement, the saves that are due, the epoch's end -------------------------------
@@ -469,39 +373,37 @@ def checkpoint_or_stop(run, epoch, step):
         raise Exit(128 + signum, f"stopped by {signal.Signals(signum).name} {where}")
 
 
-# ---- errors -------------------------------------------------------------------------------------------------------
-class Exit(Exception):
-    """Ends a run with an exit code and one line: 2 is bad input, and its line starts with "error:". README.md lists
-    the other codes. The replicas raise it only where every replica raises it, with the same code."""
-
-    def __init__(self, code, line):
-        super().__init__(code, line)  # The args pickle: xmp.spawn hands an Exit from a replica process to the launcher.
-        self.code = code
-        self.line = line
-
-    def __str__(self):
-        return self.line
+# ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
+def prepare(args):
+    """Everything that can be refused before any device starts, as xmp.spawn refuses to run once one has. Returns the
+    device kind and the run folder."""
+    kind, hosts, cores = check_environment(args)
+    if args.spmd and kind == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
+    out_dir = prepare_out_dir(args, hosts)
+    prepare_data(args)
+    return kind, out_dir
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # One line, instead of argparse's usage block.
-        raise Exit(2, f"error: {message} (see --help)")
+RANGES = (  # The flags' allowed values: (flags, the rule in words, the test).
+    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
+    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
+    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
+    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
+    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
+)
 
 
-def bug(e):
-    """The line for an unexpected exception, a bug in your model say. Its traceback is printed first: you need it."""
-    traceback.print_exception(e)
-    return f"failed: {type(e).__name__}: {e} (traceback above)"
+def check_flags(p, args):  # One line for a value out of its range. NaN fails every comparison, so it is refused too.
+    if args.smoke and args.resume:
+        p.error("--smoke checks a fresh run: leave out --resume")
+    for names, rule, ok in RANGES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
 
 
-def first_line(e):
-    lines = str(e).strip().splitlines()
-    if not lines:
-        return type(e).__name__
-    return lines[0]
-
-
-# ---- before any device starts: torch_xla, the device, hosts, --cores, --out-dir -----------------------------------
 def check_environment(args):
     """Returns (device kind, hosts, cores to train on). Nothing here starts the runtime."""
     if XLA_IMPORT_ERROR is not None:
@@ -524,9 +426,7 @@ def check_environment(args):
             hosts = tpu.num_tpu_workers()  # It asks the TPU VM's metadata server.
         except Exception as e:
             raise Exit(2, f"error: cannot read this TPU VM's slice from its metadata: {first_line(e)}") from e
-    have = int(os.environ.get("CPU_NUM_DEVICES", 1))
-    if kind == "TPU":
-        have = tpu.num_available_devices()
+    have = tpu.num_available_devices() if kind == "TPU" else int(os.environ.get("CPU_NUM_DEVICES", 1))
     cores = args.cores or have
     if hosts > 1 and (args.spmd or cores == 1):
         raise Exit(2, f"error: --spmd and --cores 1 train on one host, and this slice has {hosts}: leave them out")
@@ -563,17 +463,98 @@ def start_replica(args, kind, out_dir, control):
     """Starts this replica's runtime, and returns its Run (under SPMD, the one process's)."""
     if args.spmd:
         xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
-        devices = xr.global_runtime_device_count()
-        mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
-        run = Run(args, kind, out_dir, control, torch_xla.device(), devices=devices, mesh=mesh)
+    run = Run(args, kind, out_dir, control, torch_xla.device())
+    if args.spmd:
+        run.devices = xr.global_runtime_device_count()
+        run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
     else:
-        world = xr.world_size()
-        run = Run(args, kind, out_dir, control, torch_xla.device(), world, xr.global_ordinal(), devices=world)
+        run.world = xr.world_size()
+        run.rank = xr.global_ordinal()
+        run.master = run.rank == 0
+        run.devices = run.world
+    run.global_batch = args.batch_size * run.devices
+    run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
     control.set_stage(run, "devices")  # The launcher now knows this replica's process, and that its runtime started.
     return run
 
 
-# ---- logging: log lines, metrics.jsonl, TensorBoard, compiles ----------------------------------------------------
+# ---- errors ----------------------------------------------------------------------------------------------------------
+class Exit(Exception):
+    """Ends a run with an exit code and one line: 2 is bad input, and its line starts with "error:". README.md lists
+    the other codes. The replicas raise it only where every replica raises it, with the same code."""
+
+    def __init__(self, code, line):
+        super().__init__(code, line)  # The args pickle: xmp.spawn hands an Exit from a replica process to the launcher.
+        self.code = code
+        self.line = line
+
+    def __str__(self):
+        return self.line
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # One line, instead of argparse's usage block.
+        raise Exit(2, f"error: {message} (see --help)")
+
+
+def bug(e):
+    """The line for an unexpected exception, a bug in your model say. Its traceback is printed first: you need it."""
+    traceback.print_exception(e)
+    return f"failed: {type(e).__name__}: {e} (traceback above)"
+
+
+def first_line(e):
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return lines[0]
+
+
+# ---- a replica's first weights, its share of the test set, layerdrop's coins -----------------------------------------
+def initial_model(args):
+    """The model's first weights come from --seed alone, so they are the same on every replica and in every run."""
+    with ONE_REPLICA_AT_A_TIME:  # TPU v2/v3 run two replica threads, which share the global RNG.
+        torch.manual_seed(args.seed)
+        return build_model(args)
+
+
+def broadcast_weights(run):
+    """Every replica takes the master's weights, in case a model's initialisation does not follow the seed. Integer
+    buffers are left out: TPUs all-reduce no int64 (pytorch/xla#1952), and a step count starts equal anyway."""
+    if run.world == 1:
+        return
+    tensors = itertools.chain(run.model.parameters(), run.model.buffers())
+    xm.collective_broadcast([t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)])
+    torch_xla.sync()
+
+
+def test_loader(run, images, labels):
+    """This replica's share of the test set. It is padded with samples marked valid=0, so that every replica runs the
+    same number of batches of one shape, and each test sample is counted exactly once over the replicas."""
+    index = torch.arange(run.rank, len(labels), run.world)
+    share = math.ceil(len(labels) / run.world)
+    size = math.ceil(share / run.load_batch) * run.load_batch
+    valid = (torch.arange(size) < len(index)).float()
+    index = torch.cat([index, index.new_zeros(size - len(index))])
+    data = StackDataset(image=images[index], label=labels[index], valid=valid)
+    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, False), batch_size=None)
+
+
+def layerdrop_keep(args, epoch, step, device):
+    """The step's fc2 decisions. They depend on (seed, epoch, step) only, so every replica traces the same graph (one
+    that dropped other layers would all-reduce other gradients), and a resumed run makes the same ones."""
+    if args.layerdrop == "off":
+        return None
+    keep = np.random.default_rng([args.seed, epoch, step]).random(50) >= args.layerdrop_prob
+    if args.layerdrop == "dynamic":
+        return keep.tolist()
+    return torch.tensor(keep, device=device)
+
+
+# ---- logging: log lines, metrics.jsonl, TensorBoard, compiles --------------------------------------------------------
+WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
+
+
 class Log:
     """The master's output: a line at each log boundary, a row per step and per epoch in OUT/metrics.jsonl, and
     TensorBoard scalars. A boundary's line shows the loss of the boundary before it. That step finished long ago, so
@@ -581,6 +562,10 @@ class Log:
 
     def __init__(self, run):
         self.run = run
+        mode = "SPMD" if run.mesh is not None else "a replica each"
+        sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
+        writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
+        run.print(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
         self.board = None
         if run.master:
             from torch.utils.tensorboard import SummaryWriter
@@ -591,8 +576,8 @@ class Log:
         self.epoch = epoch
         self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one.
         self.unread = []  # (step, its loss on the device), not yet read back
-        self.losses = {}  # {step: loss}, read back
-        self.times = {}  # {step: when its graph launched}; the last step's, when it finished
+        self.losses = {}  # {step: its loss, read back}
+        self.times = {}  # {step: when its graph launched}; for the epoch's last step, when it finished
         self.compiles_at_start = compiles()[0]
 
     def is_boundary(self, step):
@@ -610,58 +595,54 @@ class Log:
             self.print_step(previous)
         self.times[step] = time.perf_counter()
 
-    def drain(self):
-        """Waits for the device to finish the steps launched, and reads back every loss not yet read."""
+    def drain(self):  # Waits for the device to finish the steps launched, and reads back every loss.
         torch_xla.sync()  # It also runs this step's closure, so the step's line comes before what follows.
         self.read()
         if self.run.steps in self.losses:
             self.times[self.run.steps] = time.perf_counter()
 
     def read(self, upto=None):
-        """Reads back the losses up to step `upto` (all when None) and frees them: a live tensor per step would slow
-        every graph cut a little more. The master writes them to metrics.jsonl and TensorBoard."""
-        rows = []
+        """Reads back the losses up to step `upto` (all when None), and frees them: a live tensor per step would slow
+        every graph cut a little more."""
         while self.unread and (upto is None or self.unread[0][0] <= upto):
             step, loss = self.unread.pop(0)
             self.losses[step] = float(loss.cpu())
             self.run.history.append(self.losses[step])
-            rows.append(dict(epoch=self.epoch, step=step, loss=self.losses[step]))
-        if self.board is not None:
-            self.write(rows)
-            for r in rows:
-                self.board.add_scalar("train/loss", r["loss"], (r["epoch"] - 1) * self.run.steps + r["step"])
+            row = dict(epoch=self.epoch, step=step, loss=self.losses[step])
+            self.record(row, {"train/loss": row["loss"]}, (self.epoch - 1) * self.run.steps + step)
 
     def print_step(self, step):
         self.run.print(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {self.losses[step]:.4f}")
 
     def end_epoch(self, test, path):
-        """The epoch's summary lines and record."""
         run = self.run
         self.print_step(run.steps)
         rate = None
         if run.steps > self.timed_from:  # The warm-up steps are left out.
             seconds = self.times[run.steps] - self.times[self.timed_from]
             rate = (run.steps - self.timed_from) * run.global_batch / seconds
-        speed = "untimed"
-        if rate is not None:
-            speed = f"{rate:,.0f} samples/s"
+        speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
         tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
         run.print(f"epoch {self.epoch} done | {tested} | {speed} | checkpoint {path}")
         total, seconds = compiles()
-        compiled = total - self.compiles_at_start
-        ops = fallback_ops()
-        counts = f"this epoch {compiled} | recompiles after warm-up {run.recompiles} | {seconds:.1f} s compiling in all"
-        run.print(f"epoch {self.epoch} compiles in this process | {counts} | CPU fallback ops: {ops}")
-        if self.board is not None:
-            record = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
-            self.write([dict(record, compiles=compiled, recompiles=run.recompiles, fallback_ops=ops)])
-            self.board.add_scalar("test/accuracy", test.accuracy, self.epoch * run.steps)
-            self.board.add_scalar("train/samples_per_s", rate or 0, self.epoch * run.steps)
-            self.board.flush()
+        row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
+        row.update(compiles=total - self.compiles_at_start, recompiles=run.recompiles, fallback_ops=fallback_ops())
+        counts = f"this epoch {row['compiles']} | recompiles after warm-up {run.recompiles}"
+        run.print(
+            f"epoch {self.epoch} compiles in this process | {counts} | {seconds:.1f} s compiling in all | "
+            f"CPU fallback ops: {row['fallback_ops']}"
+        )
+        scalars = {"test/accuracy": test.accuracy, "train/samples_per_s": rate or 0}
+        self.record(row, scalars, self.epoch * run.steps)
 
-    def write(self, rows):
+    def record(self, row, scalars, x):  # The master appends the row to metrics.jsonl, and adds the scalars at step x.
+        if self.board is None:
+            return
         with open(os.path.join(self.run.out_dir, "metrics.jsonl"), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.write(json.dumps(row) + "\n")
+        for name, value in scalars.items():
+            self.board.add_scalar(name, value, x)
+        self.board.flush()
 
     def close(self):
         if self.board is not None:
@@ -695,16 +676,15 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
     return ", ".join(f"{n} x{met.counter_value(n)}" for n in names) or "none"
 
 
-# ---- checkpoints: one dict, two formats ---------------------------------------------------------------------------
+# ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
 # A checkpoint is one dict: the model, the optimizer, the position (the epoch to train next, and the samples of it
-# trained), the settings, and the test loss and accuracy measured just before saving (None when saved on a stop). It
-# is named by its position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, every replica calls xm.save and the
-# global master writes NAME.pt. Under SPMD, torch.distributed.checkpoint writes each device's shards into the folder
-# NAME (docs: perf/spmd_distributed_checkpoint). The two formats differ, and an xm.save checkpoint loaded naively into
-# an SPMD model can silently compute something else (pytorch/xla#6660). So --resume reads either format, converts it,
-# and checks that the test loss comes back. The settings are also written to OUT/settings.json, for --resume to read.
-SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop")
-SETTINGS += ("layerdrop_prob", "bf16")
+# trained), the settings, and the test loss and accuracy measured just before saving (None on a stop). It is named by
+# its position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save. Under
+# SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
+# perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
+# something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the test loss.
+SETTINGS = "data data_dir epochs batch_size lr momentum seed steps_per_epoch layerdrop layerdrop_prob bf16".split()  # noqa: SIM905
+KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
 def save(run, *, next_epoch, steps_done, test=None):
@@ -761,20 +741,19 @@ def find_checkpoint(path):
     """What --resume PATH names: a checkpoint, or the newest in a run folder."""
     if os.path.isfile(path) or is_dcp(path):
         return path
-    found = []
-    if os.path.isdir(path):
-        found = checkpoints(path)
+    found = checkpoints(path) if os.path.isdir(path) else []
     if not found:
         raise Exit(2, f"error: --resume {path}: no checkpoint there")
     return found[-1]
 
 
 def saved_settings(path):
-    """The settings of the run that --resume PATH continues, from the settings.json beside its checkpoint. A checkpoint
-    copied on its own has them inside."""
-    beside = os.path.join(os.path.dirname(find_checkpoint(path)), "settings.json")
+    """The settings of the run that --resume PATH continues, from settings.json beside its checkpoint, without loading
+    the weights. A checkpoint copied on its own holds them too."""
+    ckpt = find_checkpoint(path)
+    beside = os.path.join(os.path.dirname(ckpt), "settings.json")
     if not os.path.exists(beside):
-        return load_checkpoint(find_checkpoint(path))["settings"]
+        return load_checkpoint(ckpt)["settings"]
     with open(beside) as f:
         return json.load(f)
 
@@ -847,9 +826,8 @@ def verify(run, path, ckpt):
 
 
 def tolerance(run, other_device="CPU"):
-    """How far two computations of the same numbers may differ. float32 on the CPU agrees to rounding. TPU matmuls
-    round through one bfloat16 pass by default, and --bf16 rounds both sides. A wrong weight or layout moves them by
-    O(1)."""
+    """How far two computations of the same numbers may differ. float32 on the CPU agrees to rounding; TPU matmuls
+    round through bfloat16 by default, and --bf16 rounds both sides. A wrong weight or layout differs by O(1)."""
     if run.args.bf16:
         return 5e-2
     if run.kind == "CPU" and other_device == "CPU":
@@ -857,7 +835,10 @@ def tolerance(run, other_device="CPU"):
     return 2e-2
 
 
-# ---- run control: stop signals, a replica that fails or dies, the smoke deadline -----------------------------------
+# ---- run control: stop signals, a replica that fails or dies, the smoke deadline -------------------------------------
+STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU VM has about 30.
+
+
 class Control:
     """The launcher takes the stop signals, times the smoke deadline, and watches the replicas. When one fails alone or
     its process dies, it ends them all, as the others would wait for it in their next collective. The replicas may run
@@ -973,12 +954,13 @@ class Control:
         for child in children:
             child.kill()
 
-    def explain(self, e, kind):  # The Exit for what ended the replicas, or None for a bug in the only replica
+    def explain(self, e, kind):  # Raises the Exit for what ended the replicas, if known; a bug in a replica is not.
         if self.ended is None and self.why_replicas_ended():  # xmp.spawn's pool saw it before the watch did.
             self.ended = Exit(1, self.why_replicas_ended())
         if self.ended is None and not self.replicas():
             self.ended = Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}")
-        return self.ended
+        if self.ended is not None:
+            raise self.ended from e
 
     def deadline_passed(self):  # The stage the replicas are in FAILs (the lowest replica's, if they differ).
         stage = next(iter(self.replicas().values()), [0, "devices"])[1]
@@ -987,9 +969,10 @@ class Control:
         self.end(5, f"failed: smoke verdict FAIL: {line}")
 
 
-# ---- the run's end, and the smoke verdict: is this machine fit to train on? ----------------------------------------
+# ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
 def finish(run):
     """The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21)."""
+    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
     args = run.args
     accuracy = run.accuracy or 0.0
     run.print(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
@@ -1106,7 +1089,7 @@ def publish(out_dir, checks):
     write_json(os.path.join(out_dir, "verdict.json"), {"passed": passed, "checks": checks})
 
 
-# ---- small helpers ------------------------------------------------------------------------------------------------
+# ---- small helpers ---------------------------------------------------------------------------------------------------
 ONE_REPLICA_AT_A_TIME = threading.RLock()  # TPU v2/v3's two replica threads share the RNG, sys.stdout and warnings.
 
 
@@ -1138,7 +1121,7 @@ def synthetic_digits(n, seed):
     return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
 
 
-# ---- from Python: the results back in the caller ------------------------------------------------------------------
+# ---- from Python: the results back in the caller ---------------------------------------------------------------------
 def fit(**flags):
     """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
     host), its history per step and per epoch, and with smoke=True the verdict. It raises Exit where main() would
