@@ -11,8 +11,8 @@ import multiprocessing
 import signal
 
 # xmp.spawn's replica processes import this file first. Before torch loads, they take SIGTERM (a preemption reaches
-# every process) and SIGINT with a handler that does nothing, because the launcher acts on them. When the runtime
-# starts, libtpu keeps a Python handler, but it kills a process whose signal was ignored (pytorch/xla#8234).
+# every process) and SIGINT with a handler that does nothing, because the launcher acts on them. It must be a handler,
+# not SIG_IGN: when the runtime starts, libtpu replaces an ignored signal with one that kills (pytorch/xla#8234).
 if multiprocessing.current_process().name != "MainProcess":
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
@@ -60,7 +60,7 @@ SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, targe
 
 # ---- flags -----------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() passes numbers too
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: every device")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffles and layerdrop's coins")
     p.add_argument("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
     p.add_argument("--target-accuracy", type=float, default=0.0, help="exit 21 if the final accuracy (%%) is below")
-    # layerdrop, the article's lesson: a graph that changes from step to step recompiles.
+    # layerdrop: a model whose graph changes from step to step recompiles; one that decides on the device does not
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--max-recompiles", type=int, help="exit 3 if more graphs compile after the first epoch")
@@ -84,17 +84,15 @@ def parse_args(argv=None):
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
-    p.add_argument("--save-steps", type=int, help="also checkpoint every N steps")
+    p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
     if "--smoke" in argv:
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
-    if (
-        args.resume and not args.smoke
-    ):  # A resumed run takes the settings it was saved with, except those given again now.
+    check_flags(p, args)  # every value in its range, and no --resume with --smoke
+    if args.resume:  # A resumed run takes the settings it was saved with, except those given again now.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
-    check_flags(p, args)
     return args
 
 
@@ -102,7 +100,7 @@ def parse_args(argv=None):
 def load_split(args, train):
     """One split as in-memory tensors: uint8 images (N, 1, 28, 28) and labels (N,)."""
     if args.data == "synthetic":
-        return synthetic_digits(30_000 if train else 5_000, seed=1234 + train)
+        return synthetic_digits(30_000 if train else 5_000, seed=1235 if train else 1234)
     mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
     return mnist.data.unsqueeze(1), mnist.targets  # Read once: no PIL image and no transform per sample.
 
@@ -130,6 +128,8 @@ def prepare_data(args):  # Once, before any replica starts, so that replicas nev
 class ToyModel(nn.Module):
     """A small CNN that returns logits. With layerdrop, a shared fc2 is applied up to 50 times, each on a coin flip."""
 
+    depth = 50  # fc2's applications with layerdrop, before any drop
+
     def __init__(self, layerdrop="off"):
         super().__init__()
         self.layerdrop = layerdrop
@@ -149,7 +149,7 @@ class ToyModel(nn.Module):
         x = self.fc1(x)
         if self.layerdrop == "off":
             return x
-        for i in range(50):  # keep[i] says whether fc2's i-th application runs; None runs every one.
+        for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None runs every one.
             if keep is None:
                 x = self.fc2(x)
             elif self.layerdrop == "dynamic":  # A Python bool shapes the traced graph: one graph per count kept.
@@ -166,17 +166,18 @@ def build_model(args):
 
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
 def train_loader(run, images, labels):
-    """This replica's shard of the training set, in whole batches so that every step has one shape and one graph."""
-    data = StackDataset(image=images, label=labels)  # It collates a batch in one indexing, 10x faster than per sample.
+    """This replica's shard of the training set in whole batches (so every step has one shape), and its sampler."""
+    data = StackDataset(image=images, label=labels)
     shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
-    return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None)
+    # Each BatchSampler item is a batch of indices, gathered in one indexing (10x faster than sample by sample).
+    return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None), shard
 
 
 def on_device(run, loader, skip=0, stop=None):
     """MpDeviceLoader copies the next batches to the device while a step runs, and cuts the step's graph as it hands
     each batch out. Under SPMD it shards every field along the batch axis (docs: perf/spmd_advanced)."""
     spec = None
-    if run.mesh is not None:
+    if run.mesh is not None:  # Each field (the StackDataset's image, label, ...) is split along its first axis.
         fields = loader.dataset.datasets.items()
         spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
@@ -188,7 +189,7 @@ def train_step(run, batch, keep):
     run.optimizer.zero_grad()
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=run.args.bf16):  # --bf16 (docs: perf/amp)
         x = model_input(batch["image"])
-        logits = run.model(x) if keep is None else run.model(x, keep)
+        logits = run.model(x) if keep is None else run.model(x, keep)  # Your own model need not take `keep`.
         loss = F.cross_entropy(logits, batch["label"])
     loss.backward()
     if run.mesh is None:
@@ -196,9 +197,6 @@ def train_step(run, batch, keep):
     else:
         run.optimizer.step()  # Under SPMD the program spans every device, and GSPMD inserts the all-reduce itself.
     return loss.detach()
-
-
-TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
 
 
 def evaluate(run):
@@ -210,7 +208,8 @@ def evaluate(run):
             logits = run.model(model_input(b["image"]))
             loss = F.cross_entropy(logits, b["label"], reduction="none")
             hits = (logits.argmax(1) == b["label"]).float()
-            totals += torch.stack([loss @ b["valid"], hits @ b["valid"], b["valid"].sum()])
+            valid = b["valid"]  # 0 for the padding, whose loss and hits must not count
+            totals += torch.stack([(loss * valid).sum(), (hits * valid).sum(), valid.sum()])
     run.model.train()
     if run.world > 1:
         totals = xm.all_reduce(xm.REDUCE_SUM, totals)
@@ -227,10 +226,10 @@ class Run:
     kind: str  # the device kind, "TPU" or "CPU"
     out_dir: str  # the run folder: checkpoints, metrics.jsonl, TensorBoard scalars, verdict.json
     control: "Control"  # how the replicas learn of a stop signal, and tell the launcher that one failed
-    device: torch.device  # this replica's device; under SPMD, the first of the mesh
+    device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
     rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes: rank 0's job, and the one test of it in this file
+    master: bool = True  # whether this replica prints and writes: rank 0 (start_replica sets it, and all else asks)
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
     global_batch: int = 0  # samples per step, over every device
@@ -245,7 +244,7 @@ class Run:
     warm_compiles: int = None  # graphs compiled in this process by the end of the run's first epoch, its warm-up
     recompiles: int = 0  # graphs compiled after the warm-up: the most in any replica's process
 
-    def print(self, line):  # The master prints. A replica process's output is piped, so it is flushed at once.
+    def say(self, line):  # The master prints. A replica process's output is piped, so it is flushed at once.
         if self.master:
             print(line, flush=True)
 
@@ -254,10 +253,11 @@ def train_epoch(run, loader, epoch, skip):
     """The epoch's steps after the first `skip`, which a resumed run has done already."""
     run.log.start_epoch(epoch, skip)
     step = skip
-    for step, batch in enumerate(on_device(run, loader, skip, run.steps), skip + 1):
+    batches = on_device(run, loader, skip=skip, stop=run.steps)
+    for step, batch in enumerate(batches, start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
         run.log.add(step, loss)
-        if step < run.steps:  # The epoch's end is handled below, once MpDeviceLoader has launched its last step.
+        if step < run.steps:  # The last step's graph runs only when the loop ends, so its checkpoint comes below.
             checkpoint_or_stop(run, epoch, step)
     if step != run.steps:  # MpDeviceLoader ends an epoch quietly when the DataLoader fails.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
@@ -271,17 +271,17 @@ def train(run):
     broadcast_weights(run)  # With several replicas, each takes the master's weights.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
-    loader = train_loader(run, *load_split(args, train=True))
+    loader, shard = train_loader(run, *load_split(args, train=True))
     run.test = test_loader(run, *load_split(args, train=False))
     run.steps = min(len(loader), args.steps_per_epoch or len(loader))
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
-    first_epoch, skip = resume(run)  # (1, 0) for a fresh run
-    run.control.set_stage(run, "training")
+    first_epoch, skip = resume(run)  # (1, 0) for a fresh run. A resumed one is evaluated, and converted if need be.
+    run.control.set_stage(run, "training")  # From now on a stop signal saves at the next log boundary.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
-            loader.sampler.sampler.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
+            shard.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
             train_epoch(run, loader, epoch, skip)
             skip = 0
     finally:
@@ -301,20 +301,20 @@ def launch(args, kind, out_dir):
         except Exit:
             raise  # Every replica raised it at the same point.
         except Exception as e:
-            control.explain(e, kind)  # It raises the Exit for what ended the replicas, when the launcher knows it.
-            raise  # a bug in the only replica: main() prints its traceback
+            ended = control.explain(e, kind)  # a replica that died or failed, or a runtime that did not start
+            if ended is None:
+                raise  # A bug in the only replica: main() prints its traceback.
+            raise ended from e
 
 
 def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica
     run = start_replica(args, kind, out_dir, control)
     try:
         train(run)
-    except Exit:
-        raise  # Every replica raises it at the same point, and xmp.spawn hands it to launch() once all have ended.
-    except Exception as e:
-        if run.world == 1:
-            raise
-        control.fail_alone(run, e)  # The others would wait for this replica in their next all-reduce.
+    except Exception as e:  # Every replica raises an Exit at the same point; any other exception is this one's alone.
+        if run.world > 1 and not isinstance(e, Exit):
+            control.fail_alone(run, e)  # The launcher ends the others, which would wait for this one in an all-reduce.
+        raise
 
 
 def main(argv=None):
@@ -337,8 +337,9 @@ def main(argv=None):
 
 # ---- at each log boundary: the stop agreement, the saves that are due, the epoch's end -------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """Called after every step. At each log boundary and each --save-steps step, the replicas agree whether to stop;
-    then it saves what is due. A stop saves at once, without evaluating, and exits 128 + the signal's number."""
+    """Called after every step. At each log boundary and each --save-steps step, the replicas agree whether to stop,
+    and then it saves what is due. A stop saves at once, without evaluating, and exits 128 + the signal's number. At the
+    epoch's end it evaluates, saves, logs the epoch, and exits 3 past --max-recompiles."""
     args = run.args
     saving = args.save_steps is not None and step % args.save_steps == 0
     if not saving and not run.log.is_boundary(step):
@@ -346,6 +347,7 @@ def checkpoint_or_stop(run, epoch, step):
     recompiles = 0
     if run.warm_compiles is not None:
         recompiles = compiles()[0] - run.warm_compiles
+    # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
     signum, recompiles = run.control.agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
     epoch_ends = step == run.steps
     if epoch_ends or signum or saving:
@@ -361,9 +363,9 @@ def checkpoint_or_stop(run, epoch, step):
         if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
             why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
             raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
-        epoch, step = epoch + 1, 0  # where a run stopped here continues from
-        if epoch > args.epochs:
+        if epoch == args.epochs:
             return  # A stop after the last epoch lets the run finish.
+        epoch, step = epoch + 1, 0  # A run stopped here continues from the next epoch's start.
     elif signum:
         save(run, next_epoch=epoch, steps_done=step)
     elif saving:
@@ -531,13 +533,13 @@ def broadcast_weights(run):
 def test_loader(run, images, labels):
     """This replica's share of the test set. It is padded with samples marked valid=0, so that every replica runs the
     same number of batches of one shape, and each test sample is counted exactly once over the replicas."""
-    index = torch.arange(run.rank, len(labels), run.world)
-    share = math.ceil(len(labels) / run.world)
-    size = math.ceil(share / run.load_batch) * run.load_batch
+    index = torch.arange(run.rank, len(labels), run.world)  # every world-th sample, from this replica's rank
+    share = math.ceil(len(labels) / run.world)  # the largest share of any replica
+    size = math.ceil(share / run.load_batch) * run.load_batch  # rounded up to whole batches, the same on every replica
     valid = (torch.arange(size) < len(index)).float()
-    index = torch.cat([index, index.new_zeros(size - len(index))])
+    index = torch.cat([index, index.new_zeros(size - len(index))])  # The padding repeats sample 0, marked not valid.
     data = StackDataset(image=images[index], label=labels[index], valid=valid)
-    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, False), batch_size=None)
+    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, drop_last=False), batch_size=None)
 
 
 def layerdrop_keep(args, epoch, step, device):
@@ -545,13 +547,14 @@ def layerdrop_keep(args, epoch, step, device):
     that dropped other layers would all-reduce other gradients), and a resumed run makes the same ones."""
     if args.layerdrop == "off":
         return None
-    keep = np.random.default_rng([args.seed, epoch, step]).random(50) >= args.layerdrop_prob
+    keep = np.random.default_rng([args.seed, epoch, step]).random(ToyModel.depth) >= args.layerdrop_prob
     if args.layerdrop == "dynamic":
         return keep.tolist()
     return torch.tensor(keep, device=device)
 
 
 # ---- logging: log lines, metrics.jsonl, TensorBoard, compiles --------------------------------------------------------
+TestResult = collections.namedtuple("TestResult", "loss accuracy samples")  # what evaluate() returns
 WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
 
 
@@ -565,7 +568,7 @@ class Log:
         mode = "SPMD" if run.mesh is not None else "a replica each"
         sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
         writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
-        run.print(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
+        run.say(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
         self.board = None
         if run.master:
             from torch.utils.tensorboard import SummaryWriter
@@ -574,7 +577,7 @@ class Log:
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
-        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one.
+        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one, a boundary to time it.
         self.unread = []  # (step, its loss on the device), not yet read back
         self.losses = {}  # {step: its loss, read back}
         self.times = {}  # {step: when its graph launched}; for the epoch's last step, when it finished
@@ -612,7 +615,7 @@ class Log:
             self.record(row, {"train/loss": row["loss"]}, (self.epoch - 1) * self.run.steps + step)
 
     def print_step(self, step):
-        self.run.print(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {self.losses[step]:.4f}")
+        self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {self.losses[step]:.4f}")
 
     def end_epoch(self, test, path):
         run = self.run
@@ -623,12 +626,12 @@ class Log:
             rate = (run.steps - self.timed_from) * run.global_batch / seconds
         speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
         tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
-        run.print(f"epoch {self.epoch} done | {tested} | {speed} | checkpoint {path}")
+        run.say(f"epoch {self.epoch} done | {tested} | {speed} | checkpoint {path}")
         total, seconds = compiles()
         row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
         row.update(compiles=total - self.compiles_at_start, recompiles=run.recompiles, fallback_ops=fallback_ops())
         counts = f"this epoch {row['compiles']} | recompiles after warm-up {run.recompiles}"
-        run.print(
+        run.say(
             f"epoch {self.epoch} compiles in this process | {counts} | {seconds:.1f} s compiling in all | "
             f"CPU fallback ops: {row['fallback_ops']}"
         )
@@ -683,7 +686,8 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 # SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
 # perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
 # something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the test loss.
-SETTINGS = "data data_dir epochs batch_size lr momentum seed steps_per_epoch layerdrop layerdrop_prob bf16".split()  # noqa: SIM905
+SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
+SETTINGS += ("layerdrop", "layerdrop_prob", "bf16")  # the flags that a resumed run takes from its checkpoint
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -696,8 +700,8 @@ def save(run, *, next_epoch, steps_done, test=None):
         "epoch": next_epoch,
         "samples": samples,
         "device": run.kind,
-        "test_loss": test and test.loss,
-        "accuracy": test and test.accuracy,
+        "test_loss": None if test is None else test.loss,
+        "accuracy": None if test is None else test.accuracy,
         "settings": {name: getattr(run.args, name) for name in SETTINGS},
     }
     path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
@@ -711,7 +715,7 @@ def save(run, *, next_epoch, steps_done, test=None):
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         with quietly():
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(path + ".tmp"), planner=xc.SPMDSavePlanner())
-        shutil.rmtree(path, ignore_errors=True)  # The same position, saved again.
+        shutil.rmtree(path, ignore_errors=True)  # A position saved again: os.replace cannot replace a full folder.
     if run.master:
         os.replace(path + ".tmp", path)  # Whole or not at all: a kill mid-write leaves the last good checkpoints.
         write_json(os.path.join(run.out_dir, "settings.json"), ckpt["settings"])
@@ -776,7 +780,7 @@ def load_checkpoint(path):
             raise KeyError("not the keys of a train_tpu.py checkpoint")
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException.
         why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
-        raise Exit(2, f"error: --resume {path}: {why}") from None
+        raise Exit(2, f"error: checkpoint {path}: {why}") from None
     return ckpt
 
 
@@ -799,11 +803,13 @@ def resume(run):
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
+    run.accuracy = ckpt["accuracy"]  # what finish() reports, should every epoch be done already
     test = verify(run, path, ckpt)
-    if os.path.isdir(path) != (run.mesh is not None):
+    other_format = os.path.isdir(path) != (run.mesh is not None)  # a DCP folder without SPMD, or a file under it
+    if other_format:
         converted = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
-        run.print(f"resume | converted, saved as {converted}")
-    run.print(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
+        run.say(f"resume | converted, saved as {converted}")
+    run.say(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
     return ckpt["epoch"], done
 
 
@@ -812,14 +818,14 @@ def verify(run, path, ckpt):
     converted between the formats can silently compute something else. Returns the test result, or None."""
     saved = ckpt["test_loss"]
     if saved is None:
-        run.print("resume check | skipped: saved on a stop, with no test loss measured")
+        run.say("resume check | skipped: saved on a stop, with no test loss measured")
         return None
     if (ckpt["settings"]["data"], ckpt["settings"]["data_dir"]) != (run.args.data, run.args.data_dir):
-        run.print("resume check | skipped: the checkpoint was evaluated on other --data")
+        run.say("resume check | skipped: the checkpoint was evaluated on other --data")
         return None
     test = evaluate(run)
     tol = tolerance(run, ckpt["device"])
-    run.print(f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
+    run.say(f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
     if not abs(test.loss - saved) <= tol:
         raise Exit(4, f"failed: resume check: {path} gives test loss {test.loss:.6f}, and was saved at {saved:.6f}")
     return test
@@ -827,7 +833,7 @@ def verify(run, path, ckpt):
 
 def tolerance(run, other_device="CPU"):
     """How far two computations of the same numbers may differ. float32 on the CPU agrees to rounding; TPU matmuls
-    round through bfloat16 by default, and --bf16 rounds both sides. A wrong weight or layout differs by O(1)."""
+    round through bfloat16 by default, and --bf16 steps in bfloat16. A wrong weight or layout differs by O(1)."""
     if run.args.bf16:
         return 5e-2
     if run.kind == "CPU" and other_device == "CPU":
@@ -863,11 +869,15 @@ class Control:
 
     def read(self, prefix):  # {name: text} of the files whose names start with `prefix`, the oldest first
         paths = [os.path.join(self.folder, n) for n in os.listdir(self.folder) if n.startswith(prefix)]
-        paths = sorted((p for p in paths if not p.endswith(".tmp")), key=os.path.getmtime)
-        return {os.path.basename(p): open(p).read() for p in paths}
+        texts = {}
+        for path in sorted((p for p in paths if not p.endswith(".tmp")), key=os.path.getmtime):
+            with open(path) as f:
+                texts[os.path.basename(path)] = f.read()
+        return texts
 
-    def replicas(self):  # {rank: (process id, stage)} of the replicas whose runtime started
-        return dict(sorted((int(name[8:]), json.loads(text)) for name, text in self.read("replica-").items()))
+    def replicas(self):  # {rank: [process id, stage]} of the replicas whose runtime started, by rank
+        ranks = {int(name.removeprefix("replica-")): json.loads(text) for name, text in self.read("replica-").items()}
+        return dict(sorted(ranks.items()))
 
     # The replicas' side.
     def set_stage(self, run, stage):  # The deadline names the stage, should it pass.
@@ -893,7 +903,8 @@ class Control:
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
             self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        self.timers = [self.after(0, self.watch)]
+        threading.Thread(target=self.watch, daemon=True).start()
+        self.timers = []
         if self.args.smoke:
             self.timers.append(self.after(self.args.smoke_timeout, self.deadline_passed))
         return self
@@ -916,7 +927,7 @@ class Control:
         stages = {stage for _, stage in self.replicas().values()}
         if self.read("stop"):
             self.end(128 + signum, f"stopped by a second {name}, at once: nothing saved")
-        elif stages <= {"devices"}:
+        elif stages <= {"devices"}:  # No replica trains yet (or none has even started).
             self.end(128 + signum, f"stopped by {name} before training began: nothing to save")
         else:
             self.write("stop", str(signum))
@@ -926,11 +937,14 @@ class Control:
         if "training" in [stage for _, stage in self.replicas().values()]:
             self.end(code, f"stopped by {name}: no log boundary within {STOP_GRACE} s, nothing saved")
 
-    def watch(self):  # xmp.spawn's process pool may never look at a worker started after its first (Python 3.11).
+    def watch(self):
+        """Ends the run when a replica process dies or a replica fails alone. xmp.spawn's process pool may not notice
+        a dead replica process (Python 3.11 can miss the sentinel of a worker started after the first)."""
         with contextlib.suppress(FileNotFoundError):  # The folder goes when the run ends.
             while self.ended is None:
-                if self.why_replicas_ended():
-                    self.end(1, self.why_replicas_ended())
+                why = self.why_replicas_ended()
+                if why:
+                    self.end(1, why)
                 time.sleep(0.5)
 
     def why_replicas_ended(self):  # A dead process comes first: a survivor's error in a collective only follows it.
@@ -954,16 +968,17 @@ class Control:
         for child in children:
             child.kill()
 
-    def explain(self, e, kind):  # Raises the Exit for what ended the replicas, if known; a bug in a replica is not.
-        if self.ended is None and self.why_replicas_ended():  # xmp.spawn's pool saw it before the watch did.
-            self.ended = Exit(1, self.why_replicas_ended())
+    def explain(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
+        why = self.why_replicas_ended()
+        if self.ended is None and why:  # xmp.spawn raised before the watch looked.
+            self.ended = Exit(1, why)
         if self.ended is None and not self.replicas():
             self.ended = Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}")
-        if self.ended is not None:
-            raise self.ended from e
+        return self.ended
 
     def deadline_passed(self):  # The stage the replicas are in FAILs (the lowest replica's, if they differ).
-        stage = next(iter(self.replicas().values()), [0, "devices"])[1]
+        stages = [stage for _, stage in self.replicas().values()]
+        stage = stages[0] if stages else "devices"
         line = f"{stage} did not finish within --smoke-timeout"
         publish(self.out_dir, [dict(name=stage, passed=False, figure=f"{line} {self.args.smoke_timeout:g} s")])
         self.end(5, f"failed: smoke verdict FAIL: {line}")
@@ -975,7 +990,7 @@ def finish(run):
     run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
     args = run.args
     accuracy = run.accuracy or 0.0
-    run.print(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
+    run.say(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
     if args.smoke:
         smoke_verdict(run)
     elif accuracy < args.target_accuracy:
@@ -992,10 +1007,10 @@ def smoke_verdict(run):
         passed, figure = check(run)
         checks.append(dict(name=name, passed=passed, figure=figure))
     run.control.set_stage(run, "verdict")
-    table = torch.zeros(run.world, len(checks))  # 1 where a replica's check failed
-    table[run.rank] = torch.tensor([float(c["passed"] is False) for c in checks])
-    failed = run.control.agree(run, table)
-    for check, column in zip(checks, failed.T, strict=True):
+    failures = torch.zeros(run.world, len(checks))  # a row per replica, 1 where its check failed
+    failures[run.rank] = torch.tensor([float(c["passed"] is False) for c in checks])
+    failures = run.control.agree(run, failures)  # every replica's row, as each row is zero but on its own replica
+    for check, column in zip(checks, failures.T, strict=True):
         where = column.nonzero().flatten().tolist()
         if where:
             check["passed"] = False
@@ -1125,7 +1140,8 @@ def synthetic_digits(n, seed):
 def fit(**flags):
     """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
     host), its history per step and per epoch, and with smoke=True the verdict. It raises Exit where main() would
-    exit non-zero, except for a failed smoke verdict, which comes back in .verdict."""
+    exit non-zero, except for a failed smoke verdict, which comes back in .verdict. With a replica in this process
+    (--cores 1, --spmd), a passed --smoke-timeout or a second stop signal ends the process."""
     argv = []
     for name, value in flags.items():
         if value is None or value is False:
