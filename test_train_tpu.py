@@ -816,9 +816,9 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     sent.clear()
     run = types.SimpleNamespace(world=2, device=torch.device("cpu"))
     control = tt.Control(tt.parse_args([]), "out")
-    assert control.agree(run, [control.stop_signal(), 3]).tolist() == [0, 3] and sent == [torch.float32]
+    assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [0, 3] and sent == [torch.float32]
     control.write("stop", "15")
-    assert control.agree(run, [control.stop_signal(), 3]).tolist() == [15, 3]
+    assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [15, 3]
 
 
 def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings_as_they_were():

@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,8 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--max-recompiles", type=int, help="exit 3 if more graphs compile after the first epoch")
     # the smoke test
-    presets = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in SMOKE.items())
-    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 0 or 5; presets: {presets}")
+    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 0 or 5; presets: {SMOKE}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
@@ -348,7 +348,7 @@ def checkpoint_or_stop(run, epoch, step):
     if run.warm_compiles is not None:
         recompiles = compiles()[0] - run.warm_compiles
     # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
-    signum, recompiles = run.control.agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
+    signum, recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
     epoch_ends = step == run.steps
     if epoch_ends or signum or saving:
         run.log.drain()  # A wait for the device: metrics.jsonl then holds every step the checkpoint holds.
@@ -373,6 +373,16 @@ def checkpoint_or_stop(run, epoch, step):
     if signum:
         where = f"at epoch {epoch} step {step}, checkpoint saved: continue with --resume {run.out_dir}"
         raise Exit(128 + signum, f"stopped by {signal.Signals(signum).name} {where}")
+
+
+def agree(run, values):
+    """The largest of `values` over the replicas, so that every replica decides alike. With several replicas this
+    waits for the step just launched, as the all-reduce is read back at once."""
+    values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
+    if run.world == 1:
+        return values
+    torch_xla.sync()  # It cuts the step's graph where MpDeviceLoader would, so the step's graph stays the same.
+    return xm.all_reduce(xm.REDUCE_MAX, values.to(run.device)).cpu()
 
 
 # ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
@@ -841,59 +851,45 @@ def tolerance(run, other_device="CPU"):
     return 2e-2
 
 
-# ---- run control: stop signals, a replica that fails or dies, the smoke deadline -------------------------------------
+# ---- run control: stop signals, and a replica that fails or dies -----------------------------------------------------
 STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU VM has about 30.
 
 
 class Control:
-    """The launcher takes the stop signals, times the smoke deadline, and watches the replicas. When one fails alone or
-    its process dies, it ends them all, as the others would wait for it in their next collective. The replicas may run
-    in other processes, so the two sides meet in a folder of small files: `stop` holds the stop signal's number,
-    `replica-N` replica N's process id and stage, and `failed-N` the line of a replica that failed alone."""
+    """The launcher takes the stop signals and watches the replicas: when one fails alone or its process dies, it ends
+    them all, as the others would wait for it in their next collective. The two sides meet in a folder: `stop` holds
+    the signal's number, `replica-N` replica N's process id and stage, `failed-N` the line of one that failed alone."""
 
     def __init__(self, args, out_dir):
         self.args = args
-        self.out_dir = out_dir
+        self.out_dir = out_dir  # where a passed smoke deadline writes its verdict
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
         self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own processes, say
-        self.ended = None  # the Exit of a run that the launcher ended
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
+        self.ended = None  # the Exit of a run that the launcher ended
+        self.grace_ends = math.inf  # when a stop signal's grace is over
 
     def __getstate__(self):  # A replica process gets the folder, not the launcher's handlers and timers.
         return {"args": self.args, "out_dir": self.out_dir, "folder": self.folder}
 
     def write(self, name, text):  # Whole or not there: another process may read it at any moment.
-        with open(os.path.join(self.folder, name + ".tmp"), "w") as f:
-            f.write(text)
-        os.replace(os.path.join(self.folder, name + ".tmp"), os.path.join(self.folder, name))
+        Path(self.folder, name + ".tmp").write_text(text)
+        os.replace(Path(self.folder, name + ".tmp"), Path(self.folder, name))
 
     def read(self, prefix):  # {name: text} of the files whose names start with `prefix`, the oldest first
-        paths = [os.path.join(self.folder, n) for n in os.listdir(self.folder) if n.startswith(prefix)]
-        texts = {}
-        for path in sorted((p for p in paths if not p.endswith(".tmp")), key=os.path.getmtime):
-            with open(path) as f:
-                texts[os.path.basename(path)] = f.read()
-        return texts
+        paths = [p for p in Path(self.folder).glob(prefix + "*") if p.suffix != ".tmp"]
+        return {p.name: p.read_text() for p in sorted(paths, key=lambda p: p.stat().st_mtime)}
 
     def replicas(self):  # {rank: [process id, stage]} of the replicas whose runtime started, by rank
         ranks = {int(name.removeprefix("replica-")): json.loads(text) for name, text in self.read("replica-").items()}
         return dict(sorted(ranks.items()))
 
     # The replicas' side.
-    def set_stage(self, run, stage):  # The deadline names the stage, should it pass.
+    def set_stage(self, run, stage):  # The smoke deadline names the stage, should it pass.
         self.write(f"replica-{run.rank}", json.dumps([os.getpid(), stage]))
 
     def stop_signal(self):  # the number of the stop signal that the launcher took, or 0
         return int(self.read("stop").get("stop", 0))
-
-    def agree(self, run, values):
-        """The largest of `values` over the replicas, so that every replica decides alike. With several replicas it
-        waits for the step just launched, as the all-reduce is read back at once."""
-        values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
-        if run.world == 1:
-            return values
-        torch_xla.sync()  # It cuts the step's graph where MpDeviceLoader would, so the step's graph stays the same.
-        return xm.all_reduce(xm.REDUCE_MAX, values.to(run.device)).cpu()
 
     def fail_alone(self, run, e):  # The launcher reads the line, and ends every replica.
         self.write(f"failed-{run.rank}", f"replica {run.rank}: {bug(e)}")
@@ -903,48 +899,40 @@ class Control:
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
             self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.deadline = time.monotonic() + self.args.smoke_timeout if self.args.smoke else math.inf
         threading.Thread(target=self.watch, daemon=True).start()
-        self.timers = []
-        if self.args.smoke:
-            self.timers.append(self.after(self.args.smoke_timeout, self.deadline_passed))
         return self
 
     def __exit__(self, *exc):
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
-        for timer in self.timers:
-            timer.cancel()
-        shutil.rmtree(self.folder, ignore_errors=True)  # This also ends the watch.
-
-    def after(self, seconds, action, *args):  # A daemon thread: the process never waits for it to end.
-        timer = threading.Timer(seconds, action, args)
-        timer.daemon = True
-        timer.start()
-        return timer
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at its next boundary.
         name = signal.Signals(signum).name
         stages = {stage for _, stage in self.replicas().values()}
         if self.read("stop"):
-            self.end(128 + signum, f"stopped by a second {name}, at once: nothing saved")
+            self.end(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved"))
         elif stages <= {"devices"}:  # No replica trains yet (or none has even started).
-            self.end(128 + signum, f"stopped by {name} before training began: nothing to save")
+            self.end(Exit(128 + signum, f"stopped by {name} before training began: nothing to save"))
         else:
             self.write("stop", str(signum))
-            self.timers.append(self.after(STOP_GRACE, self.grace_over, name, 128 + signum))
-
-    def grace_over(self, name, code):  # Replicas past their last checkpoint are left to finish.
-        if "training" in [stage for _, stage in self.replicas().values()]:
-            self.end(code, f"stopped by {name}: no log boundary within {STOP_GRACE} s, nothing saved")
+            why = f"no log boundary within {STOP_GRACE} s, nothing saved"
+            self.grace_over = Exit(128 + signum, f"stopped by {name}: {why}")
+            self.grace_ends = time.monotonic() + STOP_GRACE
 
     def watch(self):
-        """Ends the run when a replica process dies or a replica fails alone. xmp.spawn's process pool may not notice
-        a dead replica process (Python 3.11 can miss the sentinel of a worker started after the first)."""
-        with contextlib.suppress(FileNotFoundError):  # The folder goes when the run ends.
-            while self.ended is None:
-                why = self.why_replicas_ended()
-                if why:
-                    self.end(1, why)
+        """Every half second, ends the run if a replica process died or a replica failed alone (xmp.spawn's process
+        pool can miss a dead worker in Python 3.11), if a stop's grace is over, or if --smoke-timeout has passed."""
+        with contextlib.suppress(FileNotFoundError):  # The folder goes when the run ends, and so does the watch.
+            while self.ended is None and os.path.isdir(self.folder):
+                training = "training" in [stage for _, stage in self.replicas().values()]
+                if why := self.why_replicas_ended():
+                    self.end(Exit(1, why))
+                elif time.monotonic() > self.grace_ends and training:  # A run past its last checkpoint may finish.
+                    self.end(self.grace_over)
+                elif time.monotonic() > self.deadline:
+                    deadline_passed(self)
                 time.sleep(0.5)
 
     def why_replicas_ended(self):  # A dead process comes first: a survivor's error in a collective only follows it.
@@ -954,34 +942,23 @@ class Control:
                 how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
                 ranks = [str(rank) for rank, (pid, _) in self.replicas().items() if pid == p.pid] or ["?"]
                 return f"failed: replica {' and '.join(ranks)}'s process died ({how}); its checkpoints stay"
-        return next(iter(self.read("failed-").values()), None)
+        return next(iter(self.read("failed-").values()), None)  # the first replica that failed alone
 
-    def end(self, code, line):
-        """Ends the run at once. It kills the replica processes, as one left behind would hold its TPU chip, and
-        xmp.spawn then raises in the launcher, which exits with this line. A replica in this process cannot be
-        stopped, so the process exits."""
-        self.ended = Exit(code, line)
+    def end(self, ended):  # Kills the replica processes (each holds a TPU chip), so that xmp.spawn raises `ended`.
+        self.ended = ended
         children = [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
-        if not children:
-            print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
-            os._exit(code)
+        if not children:  # A replica in this process cannot be killed: the process prints the line and exits.
+            print(f"train_tpu.py: {ended.line}", file=sys.stderr, flush=True)
+            os._exit(ended.code)
         for child in children:
             child.kill()
 
     def explain(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
-        why = self.why_replicas_ended()
-        if self.ended is None and why:  # xmp.spawn raised before the watch looked.
+        if self.ended is None and (why := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
             self.ended = Exit(1, why)
         if self.ended is None and not self.replicas():
             self.ended = Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}")
         return self.ended
-
-    def deadline_passed(self):  # The stage the replicas are in FAILs (the lowest replica's, if they differ).
-        stages = [stage for _, stage in self.replicas().values()]
-        stage = stages[0] if stages else "devices"
-        line = f"{stage} did not finish within --smoke-timeout"
-        publish(self.out_dir, [dict(name=stage, passed=False, figure=f"{line} {self.args.smoke_timeout:g} s")])
-        self.end(5, f"failed: smoke verdict FAIL: {line}")
 
 
 # ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
@@ -1009,7 +986,7 @@ def smoke_verdict(run):
     run.control.set_stage(run, "verdict")
     failures = torch.zeros(run.world, len(checks))  # a row per replica, 1 where its check failed
     failures[run.rank] = torch.tensor([float(c["passed"] is False) for c in checks])
-    failures = run.control.agree(run, failures)  # every replica's row, as each row is zero but on its own replica
+    failures = agree(run, failures)  # every replica's row, as each row is zero but on its own replica
     for check, column in zip(checks, failures.T, strict=True):
         where = column.nonzero().flatten().tolist()
         if where:
@@ -1093,6 +1070,14 @@ def check_learning(run):
 
 
 CHECKS = (check_devices, check_numerics, check_checkpoint, check_compilation, check_learning)
+
+
+def deadline_passed(control):  # --smoke-timeout, timed by the launcher: the replicas' stage FAILs (the lowest's).
+    stages = [stage for _, stage in control.replicas().values()]
+    stage = stages[0] if stages else "devices"
+    line = f"{stage} did not finish within --smoke-timeout"
+    publish(control.out_dir, [dict(name=stage, passed=False, figure=f"{line} {control.args.smoke_timeout:g} s")])
+    control.end(Exit(5, f"failed: smoke verdict FAIL: {line}"))
 
 
 def publish(out_dir, checks):
