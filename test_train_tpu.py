@@ -397,6 +397,9 @@ def started(tmp_path_factory):
                 0.02,
                 cwd=root,
             ),
+            cli(
+                "--resume", "base", "--out-dir", "finished", "--target-accuracy", 90, cwd=root
+            ),  # nothing left to train
         )
 
     def stopped(signum, when):  # the same run, stopped, then resumed
@@ -821,6 +824,24 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [15, 3]
 
 
+def test_a_replica_that_fails_alone_tells_the_launcher_and_still_raises(monkeypatch, tmp_path):
+    """Were it to return, xmp.spawn could return normally in the launcher before its watch looked: an exit 0."""
+    control = tt.Control(tt.parse_args([]), str(tmp_path))
+    monkeypatch.setattr(tt, "start_replica", lambda *args: types.SimpleNamespace(world=2, rank=1))
+    monkeypatch.setattr(tt, "train", lambda run: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        tt._mp_fn(1, None, "CPU", str(tmp_path), control)
+    assert control.why_replicas_ended() == "replica 1: failed: ZeroDivisionError: division by zero (traceback above)"
+
+
+def test_the_launchers_watch_ends_with_the_run(tmp_path):
+    """A watch left running after fit() returns would end the caller's process at the smoke deadline."""
+    with tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 3600]), str(tmp_path)):
+        assert [t.name for t in threading.enumerate()].count("train_tpu watch") == 1
+    time.sleep(1.5)  # the watch looks every half second
+    assert "train_tpu watch" not in [t.name for t in threading.enumerate()]
+
+
 def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings_as_they_were():
     """TPU v2/v3: two replica threads share sys.stdout and the warnings filters. Forced order: A enters, B tries to
     enter while A is inside, then A leaves, then B."""
@@ -858,7 +879,8 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     log = tt.Log(run)
     log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
     log.losses[30] = 0.25
-    log.times = {2: 100.0, 10: 101.0, 30: 107.0}
+    log.launched = {2: 100.0, 10: 101.0, 30: 106.5}  # step 2's graph launched at 100 s
+    log.finished = 107.0  # and step 30 had finished at 107 s
     log.end_epoch(tt.TestResult(0.5, 90.0, 1000), "ckpt")
     assert f"| {28 * 256 / 7.0:,.0f} samples/s |" in printed[2] and "1,024 samples/s" in printed[2]
 
@@ -979,6 +1001,13 @@ def test_a_run_learns_logs_every_step_and_keeps_its_newest_two_checkpoints(runs)
     assert len(board.Scalars("train/samples_per_s")) == 2
 
 
+def test_resuming_a_finished_run_trains_nothing_and_reports_its_saved_accuracy(runs):
+    r = ok(runs["straight"][3])
+    saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["accuracy"]
+    assert "continuing at epoch 3 of 2" in r.stdout and not re.search(r"^epoch \d+ step", r.stdout, re.M)
+    assert r.stdout.strip().splitlines()[-1] == f"done | 2 epochs | test accuracy {saved:.2f}%" and saved > 90
+
+
 def same_run(a, b):
     """The same final weights and momentum, and the same loss at every step."""
     wa, wb = final(a), final(b)
@@ -1017,7 +1046,7 @@ def test_kill_9_resumes_from_the_newest_whole_checkpoint_exactly(runs):
 
 # ---- SPMD, and checkpoints that move between the modes -------------------------------------------------------------
 def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(runs):
-    base, spmd, back = runs["straight"]
+    base, spmd, back, _ = runs["straight"]
     saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["test_loss"]
     check = re.search(r"resume check \| test loss saved (\S+), now (\S+) \(tolerance 1e-05\)", ok(spmd).stdout)
     assert float(check.group(1)) == pytest.approx(saved, abs=1e-6) and abs(float(check.group(2)) - saved) <= 1e-5

@@ -2,7 +2,7 @@
 from one process that shards each batch over every device (--spmd). The training path comes first, in the order a run
 executes, and the instruments it calls follow. Your own model takes two edits, to the sections marked "your own".
   python train_tpu.py                              # a TPU VM: train on every core
-  python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 0 or 5
+  python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 5 if not
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
 """
@@ -10,9 +10,9 @@ executes, and the instruments it calls follow. Your own model takes two edits, t
 import multiprocessing
 import signal
 
-# xmp.spawn's replica processes import this file first. Before torch loads, they take SIGTERM (a preemption reaches
-# every process) and SIGINT with a handler that does nothing, because the launcher acts on them. It must be a handler,
-# not SIG_IGN: when the runtime starts, libtpu replaces an ignored signal with one that kills (pytorch/xla#8234).
+# A preemption sends SIGTERM to every process, but only the launcher acts on it: it tells the replicas to save and stop.
+# So xmp.spawn's replica processes, which import this file first, give SIGTERM and SIGINT a handler that does nothing,
+# before the slow imports below. Not SIG_IGN: libtpu replaces an ignored signal with one that kills (pytorch/xla#8234).
 if multiprocessing.current_process().name != "MainProcess":
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
@@ -73,14 +73,16 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument("--steps-per-epoch", type=int, help="cut every epoch after N steps")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffles and layerdrop's coins")
-    p.add_argument("--bf16", action="store_true", help="autocast the training forward pass to bfloat16")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="autocast the forward to bf16")
     p.add_argument("--target-accuracy", type=float, default=0.0, help="exit 21 if the final accuracy (%%) is below")
     # layerdrop: a model whose graph changes from step to step recompiles; one that decides on the device does not
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
-    p.add_argument("--max-recompiles", type=int, help="exit 3 if more graphs compile after the first epoch")
+    p.add_argument("--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more compile after epoch 1")
     # the smoke test
-    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 0 or 5; presets: {SMOKE}")
+    p.add_argument(
+        "--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; presets: {SMOKE}"
+    )
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
@@ -169,16 +171,16 @@ def train_loader(run, images, labels):
     """This replica's shard of the training set in whole batches (so every step has one shape), and its sampler."""
     data = StackDataset(image=images, label=labels)
     shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
-    # Each BatchSampler item is a batch of indices, gathered in one indexing (10x faster than sample by sample).
+    # batch_size=None: each BatchSampler item, a list of indices, goes to the dataset whole (one indexing, 10x faster).
     return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None), shard
 
 
 def on_device(run, loader, skip=0, stop=None):
-    """MpDeviceLoader copies the next batches to the device while a step runs, and cuts the step's graph as it hands
-    each batch out. Under SPMD it shards every field along the batch axis (docs: perf/spmd_advanced)."""
+    """Batches `skip` to `stop` of the loader (the skipped ones are loaded too), on the device. MpDeviceLoader copies
+    them while a step runs and cuts each step's graph; under SPMD it shards each field (docs: perf/spmd_advanced)."""
     spec = None
-    if run.mesh is not None:  # Each field (the StackDataset's image, label, ...) is split along its first axis.
-        fields = loader.dataset.datasets.items()
+    if run.mesh is not None:  # Each field is split along its first axis.
+        fields = loader.dataset.datasets.items()  # StackDataset keeps its fields in .datasets.
         spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
 
@@ -229,7 +231,7 @@ class Run:
     device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
     rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes: rank 0 (start_replica sets it, and all else asks)
+    master: bool = True  # whether this replica prints and writes (rank 0): what only the master does asks this
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
     global_batch: int = 0  # samples per step, over every device
@@ -257,11 +259,9 @@ def train_epoch(run, loader, epoch, skip):
     for step, batch in enumerate(batches, start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
         run.log.add(step, loss)
-        if step < run.steps:  # The last step's graph runs only when the loop ends, so its checkpoint comes below.
-            checkpoint_or_stop(run, epoch, step)
+        checkpoint_or_stop(run, epoch, step)  # at log boundaries, and at the epoch's last step
     if step != run.steps:  # MpDeviceLoader ends an epoch quietly when the DataLoader fails.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
-    checkpoint_or_stop(run, epoch, step)
 
 
 def train(run):
@@ -338,8 +338,7 @@ def main(argv=None):
 # ---- at each log boundary: the stop agreement, the saves that are due, the epoch's end -------------------------------
 def checkpoint_or_stop(run, epoch, step):
     """Called after every step. At each log boundary and each --save-steps step, the replicas agree whether to stop,
-    and then it saves what is due. A stop saves at once, without evaluating, and exits 128 + the signal's number. At the
-    epoch's end it evaluates, saves, logs the epoch, and exits 3 past --max-recompiles."""
+    and then it saves what is due. A stop saves at once, without evaluating, and exits 128 + the signal's number."""
     args = run.args
     saving = args.save_steps is not None and step % args.save_steps == 0
     if not saving and not run.log.is_boundary(step):
@@ -353,26 +352,33 @@ def checkpoint_or_stop(run, epoch, step):
     if epoch_ends or signum or saving:
         run.log.drain()  # A wait for the device: metrics.jsonl then holds every step the checkpoint holds.
     if epoch_ends:
-        test = evaluate(run)
-        path = save(run, next_epoch=epoch + 1, steps_done=0, test=test)
-        if run.warm_compiles is None:
-            run.warm_compiles = compiles()[0]  # The run's first epoch is its warm-up.
-        run.accuracy = test.accuracy
-        run.recompiles = recompiles
-        run.log.end_epoch(test, path)
-        if args.max_recompiles is not None and recompiles > args.max_recompiles and not args.smoke:
-            why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles"
-            raise Exit(3, f"failed: {why} {args.max_recompiles}: the graph changes from step to step")
+        end_epoch(run, epoch, recompiles)
         if epoch == args.epochs:
             return  # A stop after the last epoch lets the run finish.
-        epoch, step = epoch + 1, 0  # A run stopped here continues from the next epoch's start.
     elif signum:
         save(run, next_epoch=epoch, steps_done=step)
     elif saving:
         save(run, next_epoch=epoch, steps_done=step, test=evaluate(run))
     if signum:
-        where = f"at epoch {epoch} step {step}, checkpoint saved: continue with --resume {run.out_dir}"
-        raise Exit(128 + signum, f"stopped by {signal.Signals(signum).name} {where}")
+        run.control.set_stage(run, "stopping")  # saved: the launcher's grace no longer applies
+        at = f"epoch {epoch + 1} step 0" if epoch_ends else f"epoch {epoch} step {step}"  # where --resume continues
+        why = f"stopped by {signal.Signals(signum).name} at {at}"
+        raise Exit(128 + signum, f"{why}, checkpoint saved: continue with --resume {run.out_dir}")
+
+
+def end_epoch(run, epoch, recompiles):
+    """Evaluates, saves and logs the epoch. Exits 3 past --max-recompiles (--smoke reports it as a check instead)."""
+    test = evaluate(run)
+    path = save(run, next_epoch=epoch + 1, steps_done=0, test=test)
+    if run.warm_compiles is None:
+        run.warm_compiles = compiles()[0]  # The run's first epoch is its warm-up.
+    run.accuracy = test.accuracy
+    run.recompiles = recompiles
+    run.log.end_epoch(test, path)
+    limit = run.args.max_recompiles
+    if limit is not None and recompiles > limit and not run.args.smoke:
+        why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles {limit}"
+        raise Exit(3, f"failed: {why}: the graph changes from step to step")
 
 
 def agree(run, values):
@@ -427,9 +433,10 @@ def check_environment(args):
     if xla.split(".")[:2] != torch.__version__.split(".")[:2]:  # torch_xla's C++ is built for one torch release.
         raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
     chips = tpu.num_available_chips()  # It reads the PCI bus, without starting the runtime.
-    if chips and USER_DEVICE is None and not torch_xla._found_libtpu:  # torch_xla's import then chose the CPU.
+    # On a TPU VM with no PJRT_DEVICE given, torch_xla's import chose the CPU if it found no libtpu (its __init__.py).
+    if chips and USER_DEVICE is None and not torch_xla._found_libtpu:
         raise Exit(2, "error: this TPU VM's torch_xla has no libtpu: pip install 'torch_xla[tpu]'")
-    kind = os.environ["PJRT_DEVICE"]  # the user's, or what torch_xla's import chose
+    kind = os.environ.get("PJRT_DEVICE", "unset")  # the user's, or what torch_xla's import chose
     if kind not in ("TPU", "CPU") or (kind == "TPU" and not chips):
         raise Exit(2, f"error: PJRT_DEVICE={kind}, and this machine has no such device: unset it to use the CPU")
     hosts = 1
@@ -497,8 +504,7 @@ class Exit(Exception):
 
     def __init__(self, code, line):
         super().__init__(code, line)  # The args pickle: xmp.spawn hands an Exit from a replica process to the launcher.
-        self.code = code
-        self.line = line
+        self.code, self.line = code, line
 
     def __str__(self):
         return self.line
@@ -570,8 +576,8 @@ WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so sa
 
 class Log:
     """The master's output: a line at each log boundary, a row per step and per epoch in OUT/metrics.jsonl, and
-    TensorBoard scalars. A boundary's line shows the loss of the boundary before it. That step finished long ago, so
-    reading its loss back does not make the loop wait for the device."""
+    TensorBoard scalars. A boundary's line shows the loss of the boundary before it, which finished long ago, so reading
+    it back does not make the loop wait for the device (with several replicas, agree() waits at each boundary)."""
 
     def __init__(self, run):
         self.run = run
@@ -587,10 +593,12 @@ class Log:
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
-        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one, a boundary to time it.
+        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one (also a boundary).
         self.unread = []  # (step, its loss on the device), not yet read back
         self.losses = {}  # {step: its loss, read back}
-        self.times = {}  # {step: when its graph launched}; for the epoch's last step, when it finished
+        self.previous = None  # the last boundary's step
+        self.launched = {}  # {boundary step: when its graph launched}
+        self.finished = None  # when the epoch's last step had finished on the device
         self.compiles_at_start = compiles()[0]
 
     def is_boundary(self, step):
@@ -602,19 +610,18 @@ class Log:
             xm.add_step_closure(self.boundary, args=(step,))  # It runs once this step's graph has launched.
 
     def boundary(self, step):
-        if self.times:
-            previous = max(self.times)
-            self.read(upto=previous)
-            self.print_step(previous)
-        self.times[step] = time.perf_counter()
+        if self.previous is not None:  # That step finished long ago: reading its loss back does not wait.
+            self.read_losses(upto=self.previous)
+            self.print_step(self.previous)
+        self.previous = step
+        self.launched[step] = time.perf_counter()
 
     def drain(self):  # Waits for the device to finish the steps launched, and reads back every loss.
-        torch_xla.sync()  # It also runs this step's closure, so the step's line comes before what follows.
-        self.read()
-        if self.run.steps in self.losses:
-            self.times[self.run.steps] = time.perf_counter()
+        torch_xla.sync()  # It also runs this step's closure, so the previous boundary's line comes first.
+        self.read_losses()
+        self.finished = time.perf_counter()
 
-    def read(self, upto=None):
+    def read_losses(self, upto=None):
         """Reads back the losses up to step `upto` (all when None), and frees them: a live tensor per step would slow
         every graph cut a little more."""
         while self.unread and (upto is None or self.unread[0][0] <= upto):
@@ -632,7 +639,7 @@ class Log:
         self.print_step(run.steps)
         rate = None
         if run.steps > self.timed_from:  # The warm-up steps are left out.
-            seconds = self.times[run.steps] - self.times[self.timed_from]
+            seconds = self.finished - self.launched[self.timed_from]
             rate = (run.steps - self.timed_from) * run.global_batch / seconds
         speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
         tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
@@ -696,8 +703,10 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 # SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
 # perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
 # something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the test loss.
+# The RNG state is not saved: this model draws nothing at random. Save it if yours uses dropout or augmentation.
+# SETTINGS are the flags that a resumed run takes from its checkpoint, unless they are given again.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
-SETTINGS += ("layerdrop", "layerdrop_prob", "bf16")  # the flags that a resumed run takes from its checkpoint
+SETTINGS += ("layerdrop", "layerdrop_prob", "bf16")
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -717,7 +726,7 @@ def save(run, *, next_epoch, steps_done, test=None):
     path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
     if run.mesh is None:
         path += ".pt"
-        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Every replica syncs; the master writes.
+        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Only the global master writes.
     else:
         import torch.distributed.checkpoint as dcp
         import torch_xla.experimental.distributed_checkpoint as xc
@@ -742,7 +751,7 @@ def checkpoints(folder):
     paths = []
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if name.startswith("checkpoint-") and (name.endswith(".pt") or is_dcp(path)):
+        if name.startswith("checkpoint-") and (name.endswith(".pt") or (is_dcp(path) and not name.endswith(".tmp"))):
             paths.append(path)
     return sorted(paths, key=lambda p: (os.path.getmtime(p), p))
 
@@ -900,7 +909,7 @@ class Control:
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
             self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.deadline = time.monotonic() + self.args.smoke_timeout if self.args.smoke else math.inf
-        threading.Thread(target=self.watch, daemon=True).start()
+        threading.Thread(target=self.watch, name="train_tpu watch", daemon=True).start()
         return self
 
     def __exit__(self, *exc):
@@ -1022,11 +1031,9 @@ def check_numerics(run):
     the logits, the loss and the weight update (-lr x gradient), each compared by norm."""
     args = run.args
     images, labels = load_split(args, train=True)
-    state = initial_model(args).state_dict()
     results = []
     for device in (run.device, torch.device("cpu")):
-        model = build_model(args).to(device)
-        model.load_state_dict(state)
+        model = initial_model(args).to(device)  # the same weights on both, from --seed
         with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
             logits = model(model_input(images[: run.load_batch].to(device)))
             loss = F.cross_entropy(logits, labels[: run.load_batch].to(device))
@@ -1072,7 +1079,7 @@ def check_learning(run):
 CHECKS = (check_devices, check_numerics, check_checkpoint, check_compilation, check_learning)
 
 
-def deadline_passed(control):  # --smoke-timeout, timed by the launcher: the replicas' stage FAILs (the lowest's).
+def deadline_passed(control):  # --smoke-timeout, timed by the launcher: the stage FAILs (the lowest rank's).
     stages = [stage for _, stage in control.replicas().values()]
     stage = stages[0] if stages else "devices"
     line = f"{stage} did not finish within --smoke-timeout"
@@ -1095,7 +1102,8 @@ ONE_REPLICA_AT_A_TIME = threading.RLock()  # TPU v2/v3's two replica threads sha
 
 @contextlib.contextmanager
 def quietly():
-    """Silences torchvision's download attempts and DCP's notices, which say nothing about this use."""
+    """Silences torchvision's download attempts and DCP's notices, which say nothing about this use. It silences the
+    whole process meanwhile: on TPU v2/v3, the other replica thread's prints too."""
     with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
         with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
             yield
@@ -1126,7 +1134,7 @@ def fit(**flags):
     """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
     host), its history per step and per epoch, and with smoke=True the verdict. It raises Exit where main() would
     exit non-zero, except for a failed smoke verdict, which comes back in .verdict. With a replica in this process
-    (--cores 1, --spmd), a passed --smoke-timeout or a second stop signal ends the process."""
+    (--cores 1, --spmd), run control ends the process itself when it must end the run at once (a second signal, say)."""
     argv = []
     for name, value in flags.items():
         if value is None or value is False:
