@@ -820,7 +820,7 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     run = types.SimpleNamespace(world=2, device=torch.device("cpu"))
     control = tt.Control(tt.parse_args([]), "out")
     assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [0, 3] and sent == [torch.float32]
-    control.write("stop", "15")
+    control.write("stop", 15)
     assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [15, 3]
 
 
@@ -840,6 +840,19 @@ def test_the_launchers_watch_ends_with_the_run(tmp_path):
         assert [t.name for t in threading.enumerate()].count("train_tpu watch") == 1
     time.sleep(1.5)  # the watch looks every half second
     assert "train_tpu watch" not in [t.name for t in threading.enumerate()]
+
+
+def test_the_smoke_deadline_spares_a_run_whose_verdict_is_out(monkeypatch, tmp_path):
+    passed = []
+    monkeypatch.setattr(tt, "deadline_passed", passed.append)  # (the real one ends this process)
+    replica = types.SimpleNamespace(rank=0)
+    with tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 0.1]), str(tmp_path)) as control:
+        control.set_stage(replica, "done")
+        time.sleep(1.2)  # the watch looks every half second
+        assert passed == []
+        control.set_stage(replica, "learning")
+        time.sleep(1.2)
+        assert passed and passed[0] is control
 
 
 def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings_as_they_were():
@@ -874,15 +887,16 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     printed = []
     monkeypatch.setattr(tt, "compiles", lambda: (7, 1.5))
     monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
-    run = types.SimpleNamespace(master=False, steps=30, global_batch=256, recompiles=0, args=tt.parse_args([]))
+    run = types.SimpleNamespace(master=False, steps=30, global_batch=256, warm_compiles=5, args=tt.parse_args([]))
     vars(run).update(mesh=None, devices=2, kind="CPU", out_dir="out", say=printed.append)
     log = tt.Log(run)
     log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
     log.losses[30] = 0.25
-    log.launched = {2: 100.0, 10: 101.0, 30: 106.5}  # step 2's graph launched at 100 s
+    log.started = 100.0  # step 2's graph launched at 100 s
     log.finished = 107.0  # and step 30 had finished at 107 s
     log.end_epoch(tt.TestResult(0.5, 90.0, 1000), "ckpt")
     assert f"| {28 * 256 / 7.0:,.0f} samples/s |" in printed[2] and "1,024 samples/s" in printed[2]
+    assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[3]  # 7 compiled, 5 of them by the warm-up's end
 
 
 def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_path):
@@ -900,6 +914,9 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
     )
     optimizer.state[model.fc1.bias]["exp_avg"] += 1  # memory and disk now differ in one tensor
     assert tt.check_checkpoint(run)[0] is False and "15/16 tensors identical" in tt.check_checkpoint(run)[1]
+    (tmp_path / "checkpoint-0002-000000000.pt").write_bytes(b"torn")  # a FAIL, not an Exit on the master alone
+    passed, figure = tt.check_checkpoint(run)
+    assert passed is False and figure.startswith(f"error: checkpoint {tmp_path}/checkpoint-0002-000000000.pt: cannot")
 
 
 def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(tmp_path, monkeypatch):
@@ -1368,7 +1385,7 @@ def test_two_replica_processes_with_compiling_all_reduces_pass_the_smoke_test_wi
     code, out, err, left, _ = runs["procs_smoke"]
     assert code == 0 and not left, err[-3000:]
     assert "smoke verdict: PASS" in out and "2 devices, a replica each | global batch 256" in out
-    assert "  PASS  compilation  0 graphs compiled after warm-up in this process (allowed 0)" in out
+    assert "  PASS  compilation  0 graphs compiled after warm-up, the most in any process (allowed 0)" in out
     assert out.count("recompiles after warm-up 0 |") == 2 and "(5,000 samples)" in out
 
 
