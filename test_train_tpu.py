@@ -915,8 +915,28 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
     optimizer.state[model.fc1.bias]["exp_avg"] += 1  # memory and disk now differ in one tensor
     assert tt.check_checkpoint(run)[0] is False and "15/16 tensors identical" in tt.check_checkpoint(run)[1]
     (tmp_path / "checkpoint-0002-000000000.pt").write_bytes(b"torn")  # a FAIL, not an Exit on the master alone
+    assert tt.check_checkpoint(types.SimpleNamespace(master=True, out_dir=str(tmp_path / "none")))[0] is False
     passed, figure = tt.check_checkpoint(run)
     assert passed is False and figure.startswith(f"error: checkpoint {tmp_path}/checkpoint-0002-000000000.pt: cannot")
+
+
+def test_a_named_older_checkpoint_resumes_with_its_own_settings_and_the_newest_with_the_folders(tmp_path):
+    for lr, name in ((0.1, "checkpoint-0002-000000000.pt"), (0.25, "checkpoint-0003-000000000.pt")):
+        torch.save(dict(model={}, optimizer={}, epoch=2, samples=0, settings=dict(lr=lr)), tmp_path / name)
+        time.sleep(0.02)  # the newest is the last written
+    (tmp_path / "settings.json").write_text(json.dumps(dict(lr=0.2)))  # (read without loading the newest: not 0.25)
+    assert tt.parse_args(["--resume", tmp_path]).lr == 0.2
+    assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt"]).lr == 0.1
+    assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt", "--lr", 0.3]).lr == 0.3
+
+
+def test_with_one_epoch_the_compilation_check_says_there_is_nothing_to_count(monkeypatch):
+    monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
+    run = types.SimpleNamespace(args=tt.parse_args(["--smoke", "--epochs", 1]), recompiles=0)
+    assert tt.check_compilation(run) == (
+        True,
+        "one epoch, all of it the warm-up: no recompiles to count, CPU fallback ops: none",
+    )
 
 
 def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(tmp_path, monkeypatch):
@@ -1178,7 +1198,7 @@ def test_dynamic_layerdrop_recompiles_as_predicted_and_static_compiles_one_graph
 # ---- the smoke verdict ---------------------------------------------------------------------------------------------
 FIT_SMOKE = """
 import json, torch, train_tpu as tt
-r = tt.fit(smoke=True, cores=1, steps_per_epoch=20, out_dir="fit")
+r = tt.fit(smoke=True, cores=1, steps_per_epoch=20, out_dir="fit", bf16=False)
 images, labels = tt.load_split(tt.parse_args(["--data", "synthetic"]), train=False)
 with torch.no_grad():
     accuracy = 100 * (r.model(tt.model_input(images)).argmax(1) == labels).float().mean().item()

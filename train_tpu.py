@@ -63,7 +63,7 @@ SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, targe
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() passes numbers too
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--cores", type=int, help="1: one device, in this process; default: every device")
+    p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
@@ -231,7 +231,7 @@ class Run:
     device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
     rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes (rank 0): what only the master does asks this
+    master: bool = True  # whether this replica prints and writes (rank 0); code that only the master runs checks it
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
     global_batch: int = 0  # samples per step, over every device
@@ -246,7 +246,7 @@ class Run:
     warm_compiles: int = None  # graphs compiled in this process by the end of the run's first epoch, its warm-up
     recompiles: int = 0  # graphs compiled after the warm-up: the most in any replica's process
 
-    def say(self, line):  # The master prints. A replica process's output is piped, so it is flushed at once.
+    def say(self, line):  # The master prints, flushed at once: os._exit would drop a replica process's buffer.
         if self.master:
             print(line, flush=True)
 
@@ -286,7 +286,7 @@ def train(run):
             skip = 0
     finally:
         run.log.close()  # TensorBoard writes its last scalars, on a stop too.
-    finish(run)
+    finish(run)  # the last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21)
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
@@ -338,7 +338,7 @@ def main(argv=None):
 # ---- at each log boundary: the stop agreement, the saves that are due, the epoch's end -------------------------------
 def checkpoint_or_stop(run, epoch, step):
     """Called after every step. At each log boundary and each --save-steps step, the replicas agree whether to stop,
-    and then it saves what is due. A stop saves at once, without evaluating, and exits 128 + the signal's number."""
+    and then it saves what is due. A stop exits 128 + the signal's number."""
     args = run.args
     saving = args.save_steps is not None and step % args.save_steps == 0
     if not saving and not run.log.is_boundary(step):
@@ -347,8 +347,11 @@ def checkpoint_or_stop(run, epoch, step):
     if run.warm_compiles is not None:
         recompiles = compiles()[0] - run.warm_compiles
     # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
-    signum, recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
-    # At the epoch's end: evaluate and save (and then stop if asked). A stop: save at once. A --save-steps step: both.
+    mine = [run.control.stop_signal(), recompiles]  # the stop signal the launcher took (0: none), and this process's
+    signum, recompiles = agree(run, mine).int().tolist()  # each the largest over the replicas
+    # - the epoch's end: evaluate, save and log the epoch; then stop if asked, unless it was the last epoch;
+    # - a stop signal mid-epoch: save at once, without evaluating (the grace is short), then stop;
+    # - a --save-steps step: evaluate and save.
     epoch_ends = step == run.steps
     if epoch_ends or signum or saving:
         run.log.drain()  # A wait for the device: metrics.jsonl then holds every step the checkpoint holds.
@@ -394,8 +397,8 @@ def agree(run, values):
 
 # ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
 def prepare(args):
-    """Everything that can be refused before any device starts, as xmp.spawn refuses to run once one has. Returns the
-    device kind and the run folder."""
+    """Everything that can be refused before any device starts (xmp.spawn refuses to run once a device has started).
+    Returns the device kind and the run folder."""
     kind, hosts, cores = check_environment(args)
     if args.spmd and kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
@@ -470,7 +473,8 @@ def prepare_out_dir(args, hosts):
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     holds_run = os.path.isdir(out_dir) and (checkpoints(out_dir) or "metrics.jsonl" in os.listdir(out_dir))
-    if holds_run and resumed != os.path.abspath(out_dir):
+    another_run = holds_run and resumed != os.path.abspath(out_dir)
+    if another_run:
         raise Exit(2, f"error: --out-dir {out_dir} holds a run: continue it with --resume, or name another folder")
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -595,7 +599,7 @@ class Log:
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
-        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one (also a boundary).
+        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one, from its graph's launch.
         self.unread = []  # (step, its loss on the device), not yet read back
         self.losses = {}  # {step: its loss, read back}
         self.previous = None  # the last boundary's step
@@ -603,7 +607,7 @@ class Log:
         self.finished = None  # when the epoch's last step had finished on the device
         self.compiles_at_start = compiles()[0]
 
-    def is_boundary(self, step):  # timed_from is one: samples/s starts when its graph launched.
+    def is_boundary(self, step):  # Step timed_from is a log boundary too, so that its launch time is recorded.
         return step % self.run.args.log_steps == 0 or step in (self.timed_from, self.run.steps)
 
     def add(self, step, loss):
@@ -620,7 +624,7 @@ class Log:
             self.started = time.perf_counter()
 
     def drain(self):  # Waits for the device to finish the steps launched, and reads back every loss.
-        torch_xla.sync()  # It runs this step's log closure, if not yet run: the previous boundary's line comes first.
+        torch_xla.sync()  # It runs this step's log closure too (if agree() has not), printing the last boundary's line.
         self.read_losses()
         self.finished = time.perf_counter()
 
@@ -649,9 +653,11 @@ class Log:
         run.say(f"epoch {self.epoch} done | {tested} | {speed} | checkpoint {path}")
         total, seconds = compiles()
         row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
-        recompiles = total - run.warm_compiles  # in this process, as the line says; run.recompiles is the most in any
-        row.update(compiles=total - self.compiles_at_start, recompiles=recompiles, fallback_ops=fallback_ops())
-        counts = f"this epoch {row['compiles']} | recompiles after warm-up {recompiles}"
+        recompiles_here = (
+            total - run.warm_compiles
+        )  # this process's, as the line says (run.recompiles: the most in any)
+        row.update(compiles=total - self.compiles_at_start, recompiles=recompiles_here, fallback_ops=fallback_ops())
+        counts = f"this epoch {row['compiles']} | recompiles after warm-up {recompiles_here}"
         run.say(
             f"epoch {self.epoch} compiles in this process | {counts} | {seconds:.1f} s compiling in all | "
             f"CPU fallback ops: {row['fallback_ops']}"
@@ -677,6 +683,8 @@ def read_metrics(out_dir):
     """Reads OUT/metrics.jsonl as {"history": a row per step, "epochs": a row per epoch}. A step trained twice (before
     a kill, and again after --resume) counts once, as last trained; a line torn by a kill does not count."""
     steps, epochs = {}, {}
+    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):  # nothing trained yet
+        return {"history": [], "epochs": []}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         for line in f:
             with contextlib.suppress(ValueError):
@@ -706,7 +714,8 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 # its position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save. Under
 # SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
 # perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
-# something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the test loss.
+# something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the saved test loss (a
+# stop saves none: it cannot wait to evaluate).
 # The RNG state is not saved: this model draws nothing at random. Save it if yours uses dropout or augmentation.
 # SETTINGS are the flags that a resumed run takes from its checkpoint, unless they are given again.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
@@ -716,7 +725,8 @@ KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older one
 
 def save(run, *, next_epoch, steps_done, test=None):
     """Saves the run at its position, with the test result just measured (None on a stop). Returns the path."""
-    samples = steps_done * run.global_batch  # Not steps: a resume with another batch size is refused, not misplaced.
+    # Samples, not steps: a resume with another batch size then finds no whole step and refuses, not lands elsewhere.
+    samples = steps_done * run.global_batch
     ckpt = {
         "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
@@ -754,7 +764,8 @@ def checkpoints(folder):
     """A run folder's complete checkpoints, in either format, the newest last. A *.tmp is still being written."""
     names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and not n.endswith(".tmp")]
     paths = [os.path.join(folder, n) for n in names if n.endswith(".pt") or is_dcp(os.path.join(folder, n))]
-    return sorted(paths, key=lambda p: (os.path.getmtime(p), p))  # by time: a run resumed from an older one goes on
+    # Newest by write time, not by name: a run resumed from an older checkpoint goes on in the same folder.
+    return sorted(paths, key=lambda p: (os.path.getmtime(p), p))
 
 
 def is_dcp(path):  # A torch.distributed.checkpoint folder is complete once its .metadata is written.
@@ -772,11 +783,12 @@ def find_checkpoint(path):
 
 
 def saved_settings(path):
-    """The settings of the run that --resume PATH continues, from settings.json beside its checkpoint, without loading
-    the weights. A checkpoint copied on its own holds them too."""
+    """The settings of the run that --resume PATH continues: those in the settings.json beside its checkpoint, without
+    loading the weights, if the folder's newest checkpoint wrote them; else those inside the checkpoint."""
     ckpt = find_checkpoint(path)
-    beside = os.path.join(os.path.dirname(ckpt), "settings.json")
-    if not os.path.exists(beside):
+    folder = os.path.dirname(ckpt) or "."
+    beside = os.path.join(folder, "settings.json")
+    if not os.path.exists(beside) or ckpt != checkpoints(folder)[-1]:
         return load_checkpoint(ckpt)["settings"]
     with open(beside) as f:
         return json.load(f)
@@ -835,7 +847,7 @@ def resume(run):
 
 def verify(run, path, ckpt):
     """Evaluates the loaded weights, and exits 4 unless they give the test loss saved with them: a checkpoint
-    converted between the formats can silently compute something else. Returns the test result, or None."""
+    converted between the formats can silently compute something else. Returns the test result (None: unchecked)."""
     saved = ckpt["test_loss"]
     if saved is None:
         run.say("resume check | skipped: saved on a stop, with no test loss measured")
@@ -1002,9 +1014,9 @@ def smoke_verdict(run):
         if where:
             check["passed"] = False
             check["figure"] += f" | FAILED on replica(s) {where}"
+    run.control.set_stage(run, "done")  # The verdict is agreed: the smoke deadline no longer applies.
     if run.master:
         publish(run.out_dir, checks)
-    run.control.set_stage(run, "done")  # The verdict is out: the smoke deadline no longer applies.
     failed = [c["name"] for c in checks if c["passed"] is False]
     if failed:
         raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
@@ -1052,8 +1064,8 @@ def check_checkpoint(run):
     """The newest checkpoint, read back from disk: does it hold the weights and the optimizer state in memory?"""
     if not run.master:
         return None, "read back by the master"
-    path = find_checkpoint(run.out_dir)
     try:
+        path = find_checkpoint(run.out_dir)
         saved = load_checkpoint(path)
     except Exit as e:  # A FAIL, not an exit: the other replicas would wait for this one in the verdict's all-reduce.
         return False, e.line
@@ -1068,6 +1080,8 @@ def check_compilation(run):
     allowed = run.args.max_recompiles or 0
     ops = fallback_ops()
     figure = f"{run.recompiles} graphs compiled after warm-up, the most in any process (allowed {allowed})"
+    if run.args.epochs == 1:
+        figure = "one epoch, all of it the warm-up: no recompiles to count"
     return run.recompiles <= allowed and ops == "none", f"{figure}, CPU fallback ops: {ops}"
 
 
@@ -1128,7 +1142,7 @@ def synthetic_digits(n, seed):
     labels = torch.randint(0, 10, (n,), generator=g)
     images = torch.rand(n, 28, 28, generator=g) * 0.3
     shifts = torch.randint(0, 9, (n, 2), generator=g)
-    for down, right in itertools.product(range(9), range(9)):  # every sample with one shift at once
+    for down, right in itertools.product(range(9), range(9)):  # all the samples that share a shift, in one step
         at = (shifts[:, 0] == down) & (shifts[:, 1] == right)
         images[at, 3 + down : 17 + down, 3 + right : 17 + right] += glyphs[labels[at]] * 0.7
     return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
@@ -1139,14 +1153,17 @@ def fit(**flags):
     """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
     host), its history per step and per epoch, and with smoke=True the verdict. It raises Exit where main() would
     exit non-zero, except for a failed smoke verdict, which comes back in .verdict. With a replica in this process
-    (--cores 1, --spmd), run control ends the process itself when it must end the run at once (a second signal, say)."""
+    (--cores 1, --spmd), run control ends the process when it must end the run at once: a second signal, a smoke
+    deadline, a stop's grace over."""
     argv = []
     for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        argv.append("--" + name.replace("_", "-"))
-        if value is not True:
-            argv.append(value)
+        flag = name.replace("_", "-")
+        if value is True:
+            argv.append(f"--{flag}")
+        elif value is False and name in SETTINGS:
+            argv.append(f"--no-{flag}")  # --no-bf16: a resumed run would otherwise take --bf16 from its settings
+        elif value is not None:
+            argv += [f"--{flag}", value]
     args = parse_args(argv)
     kind, out_dir = prepare(args)
     try:
@@ -1154,8 +1171,10 @@ def fit(**flags):
     except Exit as e:
         if e.code != 5:
             raise
-    model = build_model(args)
-    model.load_state_dict(load_checkpoint(find_checkpoint(out_dir))["model"])
+    model = None  # A smoke deadline can pass before the first checkpoint.
+    if checkpoints(out_dir):
+        model = build_model(args)
+        model.load_state_dict(load_checkpoint(checkpoints(out_dir)[-1])["model"])
     verdict = None
     if args.smoke:
         with open(os.path.join(out_dir, "verdict.json")) as f:
