@@ -924,7 +924,8 @@ def test_a_named_older_checkpoint_resumes_with_its_own_settings_and_the_newest_w
     for lr, name in ((0.1, "checkpoint-0002-000000000.pt"), (0.25, "checkpoint-0003-000000000.pt")):
         torch.save(dict(model={}, optimizer={}, epoch=2, samples=0, settings=dict(lr=lr)), tmp_path / name)
         time.sleep(0.02)  # the newest is the last written
-    (tmp_path / "settings.json").write_text(json.dumps(dict(lr=0.2)))  # (read without loading the newest: not 0.25)
+    settings = dict(checkpoint="checkpoint-0003-000000000.pt", settings=dict(lr=0.2))  # written by the newest
+    (tmp_path / "settings.json").write_text(json.dumps(settings))  # (read without loading it: 0.2, not 0.25)
     assert tt.parse_args(["--resume", tmp_path]).lr == 0.2
     assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt"]).lr == 0.1
     assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt", "--lr", 0.3]).lr == 0.3
@@ -1187,8 +1188,8 @@ def test_dynamic_layerdrop_recompiles_as_predicted_and_static_compiles_one_graph
     dynamic, static = runs["dynamic"], ok(runs["static"])
     assert dynamic.returncode == 3 and len(new) > 0
     assert last_line(dynamic) == (
-        f"train_tpu.py: failed: {len(new)} graphs compiled after warm-up (the run's first "
-        "epoch), over --max-recompiles 0: the graph changes from step to step"
+        f"train_tpu.py: failed: {len(new)} graphs compiled after warm-up (the first epoch "
+        "trained here), over --max-recompiles 0: the graph changes from step to step"
     )
     assert "epoch 2 compiles in this process | this epoch 0 | recompiles after warm-up 0" in static.stdout
     losses = [re.findall(r"done \| test loss (\S+)", r.stdout) for r in (dynamic, static)]
@@ -1198,7 +1199,7 @@ def test_dynamic_layerdrop_recompiles_as_predicted_and_static_compiles_one_graph
 # ---- the smoke verdict ---------------------------------------------------------------------------------------------
 FIT_SMOKE = """
 import json, torch, train_tpu as tt
-r = tt.fit(smoke=True, cores=1, steps_per_epoch=20, out_dir="fit", bf16=False)
+r = tt.fit(smoke=True, cores=1, steps_per_epoch=20, out_dir="fit", bf16=False, spmd=False)
 images, labels = tt.load_split(tt.parse_args(["--data", "synthetic"]), train=False)
 with torch.no_grad():
     accuracy = 100 * (r.model(tt.model_input(images)).argmax(1) == labels).float().mean().item()
@@ -1347,7 +1348,7 @@ def test_two_replica_processes_agree_to_exit_3_on_dynamic_layerdrop_after_the_ma
     code, out, err, left, _ = runs["two_recompiles"]
     assert code == 3 and not left, err[-3000:]
     assert re.fullmatch(
-        r"train_tpu.py: failed: [1-9]\d* graphs compiled after warm-up \(the run's first epoch\), over "
+        r"train_tpu.py: failed: [1-9]\d* graphs compiled after warm-up \(the first epoch trained here\), over "
         r"--max-recompiles 0: the graph changes from step to step",
         last_line_of(err),
     )

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import torchvision
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, StackDataset
 
-USER_DEVICE = os.environ.get("PJRT_DEVICE")  # read before `import torch_xla`, which sets it when it is unset
+USER_DEVICE = os.environ.get("PJRT_DEVICE")  # the user's choice, read before `import torch_xla` sets a default
 XLA_IMPORT_ERROR = None
 try:
     import torch_xla
@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument("--steps-per-epoch", type=int, help="cut every epoch after N steps")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffles and layerdrop's coins")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="autocast the forward to bf16")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bfloat16 training forward")
     p.add_argument("--target-accuracy", type=float, default=0.0, help="exit 21 if the final accuracy (%%) is below")
     # layerdrop: a model whose graph changes from step to step recompiles; one that decides on the device does not
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
@@ -128,7 +128,7 @@ def prepare_data(args):  # Once, before any replica starts, so that replicas nev
 
 # ---- model: your own goes here (edit 2 of 2) -------------------------------------------------------------------------
 class ToyModel(nn.Module):
-    """A small CNN that returns logits. With layerdrop, a shared fc2 is applied up to 50 times, each on a coin flip."""
+    """A small CNN that returns logits. With layerdrop, a shared fc2 runs up to 50 times on coin flips: a lesson."""
 
     depth = 50  # fc2's applications with layerdrop, before any drop
 
@@ -154,7 +154,7 @@ class ToyModel(nn.Module):
         for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None runs every one.
             if keep is None:  # Evaluation runs every application, as LayerDrop does at inference.
                 x = self.fc2(x)
-            elif self.layerdrop == "dynamic":  # A Python bool shapes the traced graph: one graph per count kept.
+            elif self.layerdrop == "dynamic":  # Python bools shape the traced graph: one per count of fc2 kept.
                 if keep[i]:
                     x = self.fc2(x)
             else:  # Static: a tensor of bools, chosen on the device inside one graph.
@@ -243,7 +243,7 @@ class Run:
     log: "Log" = None
     history: list = dataclasses.field(default_factory=list)  # every step's loss, read back: the smoke's learning check
     accuracy: float = None  # the last epoch's test accuracy
-    warm_compiles: int = None  # graphs compiled in this process by the end of the run's first epoch, its warm-up
+    warm_compiles: int = None  # graphs compiled in this process by the end of its first epoch, the warm-up
     recompiles: int = 0  # graphs compiled after the warm-up: the most in any replica's process
 
     def say(self, line):  # The master prints, flushed at once: os._exit would drop a replica process's buffer.
@@ -268,7 +268,7 @@ def train(run):
     """One replica's run: the model, the data, then the epochs."""
     args = run.args
     run.model = initial_model(args).to(run.device)  # from --seed alone
-    broadcast_weights(run)  # With several replicas, each takes the master's weights.
+    broadcast_weights(run)  # the master's, to every replica: for models whose initialisation ignores the seed
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     loader, sampler = train_loader(run, *load_split(args, train=True))
@@ -301,7 +301,7 @@ def launch(args, kind, out_dir):
         except Exit:
             raise  # Every replica raised it at the same point.
         except Exception as e:  # The launcher ended the run, a replica died or failed, or a runtime did not start.
-            ended = control.explain(e, kind)
+            ended = control.exit_for(e, kind)
             if ended is None:
                 raise  # A bug in the only replica: main() prints its traceback.
             raise ended from e
@@ -320,7 +320,7 @@ def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, onc
 def main(argv=None):
     try:
         args = parse_args(argv)
-        launch(args, *prepare(args))
+        launch(args, *prepare(args))  # prepare() returns the device kind and the run folder.
         return 0
     except Exit as e:
         code, line = e.code, e.line
@@ -345,9 +345,9 @@ def checkpoint_or_stop(run, epoch, step):
         return  # Between boundaries nothing waits for the device.
     recompiles = 0
     if run.warm_compiles is not None:
-        recompiles = compiles()[0] - run.warm_compiles
+        recompiles = compiles()[0] - run.warm_compiles  # (set at the end of the first epoch, in end_epoch)
     # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
-    mine = [run.control.stop_signal(), recompiles]  # the stop signal the launcher took (0: none), and this process's
+    mine = [run.control.stop_signal(), recompiles]  # the launcher's stop signal (0: none), this process's recompiles
     signum, recompiles = agree(run, mine).int().tolist()  # each the largest over the replicas
     # - the epoch's end: evaluate, save and log the epoch; then stop if asked, unless it was the last epoch;
     # - a stop signal mid-epoch: save at once, without evaluating (the grace is short), then stop;
@@ -381,7 +381,9 @@ def end_epoch(run, epoch, recompiles):
     run.log.end_epoch(test, path)
     limit = run.args.max_recompiles
     if limit is not None and recompiles > limit and not run.args.smoke:
-        why = f"{recompiles} graphs compiled after warm-up (the run's first epoch), over --max-recompiles {limit}"
+        why = (
+            f"{recompiles} graphs compiled after warm-up (the first epoch trained here), over --max-recompiles {limit}"
+        )
         raise Exit(3, f"failed: {why}: the graph changes from step to step")
 
 
@@ -472,6 +474,7 @@ def prepare_out_dir(args, hosts):
     if args.out_dir is None and hosts > 1 and resumed is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    # A folder with a checkpoint or metrics.jsonl holds a run, which only a run resumed from it may go on writing.
     holds_run = os.path.isdir(out_dir) and (checkpoints(out_dir) or "metrics.jsonl" in os.listdir(out_dir))
     another_run = holds_run and resumed != os.path.abspath(out_dir)
     if another_run:
@@ -653,9 +656,8 @@ class Log:
         run.say(f"epoch {self.epoch} done | {tested} | {speed} | checkpoint {path}")
         total, seconds = compiles()
         row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
-        recompiles_here = (
-            total - run.warm_compiles
-        )  # this process's, as the line says (run.recompiles: the most in any)
+        # This process's recompiles, as the line says (run.recompiles, tested by --max-recompiles, is the most in any).
+        recompiles_here = total - run.warm_compiles
         row.update(compiles=total - self.compiles_at_start, recompiles=recompiles_here, fallback_ops=fallback_ops())
         counts = f"this epoch {row['compiles']} | recompiles after warm-up {recompiles_here}"
         run.say(
@@ -725,7 +727,7 @@ KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older one
 
 def save(run, *, next_epoch, steps_done, test=None):
     """Saves the run at its position, with the test result just measured (None on a stop). Returns the path."""
-    # Samples, not steps: a resume with another batch size then finds no whole step and refuses, not lands elsewhere.
+    # Samples, not steps: a resume with another batch size finds no whole step and refuses, rather than start elsewhere.
     samples = steps_done * run.global_batch
     ckpt = {
         "model": run.model.state_dict(),
@@ -751,7 +753,8 @@ def save(run, *, next_epoch, steps_done, test=None):
         shutil.rmtree(path, ignore_errors=True)  # A position saved again: os.replace cannot replace a full folder.
     if run.master:
         os.replace(path + ".tmp", path)  # Whole or not at all: a kill mid-write leaves the last good checkpoints.
-        write_json(os.path.join(run.out_dir, "settings.json"), ckpt["settings"])
+        settings = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # whose they are
+        write_json(os.path.join(run.out_dir, "settings.json"), settings)
         for old in checkpoints(run.out_dir)[:-KEEP_CHECKPOINTS]:
             if os.path.isdir(old):
                 shutil.rmtree(old)
@@ -783,15 +786,16 @@ def find_checkpoint(path):
 
 
 def saved_settings(path):
-    """The settings of the run that --resume PATH continues: those in the settings.json beside its checkpoint, without
-    loading the weights, if the folder's newest checkpoint wrote them; else those inside the checkpoint."""
+    """The settings of the run that --resume PATH continues: from the settings.json beside its checkpoint, without
+    loading the weights, when that checkpoint wrote it; else from inside the checkpoint."""
     ckpt = find_checkpoint(path)
-    folder = os.path.dirname(ckpt) or "."
-    beside = os.path.join(folder, "settings.json")
-    if not os.path.exists(beside) or ckpt != checkpoints(folder)[-1]:
-        return load_checkpoint(ckpt)["settings"]
-    with open(beside) as f:
-        return json.load(f)
+    beside = os.path.join(os.path.dirname(ckpt), "settings.json")
+    if os.path.exists(beside):
+        with open(beside) as f:
+            saved = json.load(f)
+        if saved["checkpoint"] == os.path.basename(ckpt):
+            return saved["settings"]
+    return load_checkpoint(ckpt)["settings"]
 
 
 def load_checkpoint(path):
@@ -856,7 +860,7 @@ def verify(run, path, ckpt):
         run.say("resume check | skipped: the checkpoint was evaluated on other --data")
         return None
     test = evaluate(run)
-    tol = tolerance(run, ckpt["device"])
+    tol = tolerance(run, other_device=ckpt["device"])
     run.say(f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
     if not abs(test.loss - saved) <= tol:  # (so that a NaN fails too)
         raise Exit(4, f"failed: resume check: {path} gives test loss {test.loss:.6f}, and was saved at {saved:.6f}")
@@ -864,8 +868,9 @@ def verify(run, path, ckpt):
 
 
 def tolerance(run, other_device="CPU", bf16=False):
-    """How far two computations of the same numbers may differ. float32 on the CPU agrees to rounding; TPU matmuls
-    round through bfloat16 by default, and a --bf16 step rounds more. A wrong weight or layout differs by O(1)."""
+    """How far two computations of the same numbers may differ (two losses, or a relative norm). float32 on the CPU
+    agrees to rounding; TPU matmuls round through bfloat16 by default, and a --bf16 step rounds more. A wrong weight or
+    layout differs by O(1)."""
     if bf16:
         return 5e-2
     if run.kind == "CPU" and other_device == "CPU":
@@ -975,7 +980,7 @@ class Control:
         for child in children:
             child.kill()
 
-    def explain(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
+    def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
         if self.ended is None and (why := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
             self.ended = Exit(1, why)
         if self.ended is None and not self.replicas():
@@ -1054,7 +1059,8 @@ def check_numerics(run):
         loss.backward()
         update = torch.cat([-args.lr * p.grad.flatten() for p in model.parameters()])
         results.append([t.detach().float().cpu() for t in (logits, loss, update)])
-    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True)]
+    on_device, on_cpu = results
+    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(on_device, on_cpu, strict=True)]
     tol = tolerance(run, bf16=args.bf16)
     figure = f"logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, update {diffs[2]:.1e} (tolerance {tol:.0e})"
     return max(diffs) <= tol, f"first step, device vs eager CPU, relative by norm: {figure}"
@@ -1129,9 +1135,10 @@ def quietly():
 
 
 def write_json(path, data):  # Whole or not at all, as another process may read it at any moment.
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # its own, should two threads write one file at once
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def synthetic_digits(n, seed):
@@ -1158,11 +1165,13 @@ def fit(**flags):
     argv = []
     for name, value in flags.items():
         flag = name.replace("_", "-")
+        if value is None or (value is False and name not in SETTINGS):
+            continue  # left out, or a switch left off
         if value is True:
             argv.append(f"--{flag}")
-        elif value is False and name in SETTINGS:
+        elif value is False:
             argv.append(f"--no-{flag}")  # --no-bf16: a resumed run would otherwise take --bf16 from its settings
-        elif value is not None:
+        else:
             argv += [f"--{flag}", value]
     args = parse_args(argv)
     kind, out_dir = prepare(args)
