@@ -375,16 +375,14 @@ def end_epoch(run, epoch, recompiles):
     test = evaluate(run)
     path = save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     if run.warm_compiles is None:
-        run.warm_compiles = compiles()[0]  # The run's first epoch is its warm-up.
+        run.warm_compiles = compiles()[0]  # The first epoch trained here is the warm-up.
     run.accuracy = test.accuracy
     run.recompiles = recompiles
     run.log.end_epoch(test, path)
     limit = run.args.max_recompiles
     if limit is not None and recompiles > limit and not run.args.smoke:
-        why = (
-            f"{recompiles} graphs compiled after warm-up (the first epoch trained here), over --max-recompiles {limit}"
-        )
-        raise Exit(3, f"failed: {why}: the graph changes from step to step")
+        why = f"{recompiles} graphs compiled after warm-up (the first epoch trained here)"
+        raise Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
 
 
 def agree(run, values):
