@@ -899,6 +899,20 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[3]  # 7 compiled, 5 of them by the warm-up's end
 
 
+def test_the_numerics_check_compares_one_set_of_weights_whatever_your_initialisation_does(monkeypatch):
+    seeds = iter(range(100, 200))
+
+    def build_model(args):  # a model whose initialisation ignores --seed: other weights at every call
+        torch.manual_seed(next(seeds))
+        return tt.ToyModel()
+
+    monkeypatch.setattr(tt, "build_model", build_model)
+    run = types.SimpleNamespace(args=tt.parse_args(["--data", "synthetic"]), device=torch.device("cpu"), load_batch=8)
+    run.kind = "CPU"
+    passed, figure = tt.check_numerics(run)
+    assert passed and "logits 0.0e+00" in figure, figure  # the same weights on both sides: identical logits
+
+
 def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_path):
     torch.manual_seed(0)
     model = tt.ToyModel()

@@ -84,7 +84,7 @@ def parse_args(argv=None):
         "--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; presets: {SMOKE}"
     )
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
-    p.add_argument("--log-steps", type=int, default=20, help="log every N steps")
+    p.add_argument("--log-steps", type=int, default=20, help="log every N steps (and each epoch's 2nd, which times it)")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
@@ -92,7 +92,7 @@ def parse_args(argv=None):
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
     check_flags(p, args)  # every value in its range, and no --resume with --smoke
-    if args.resume:  # A resumed run takes the settings it was saved with, except those given again now.
+    if args.resume:  # Saved settings become the defaults, so the flags given now still win.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
     return args
@@ -137,7 +137,7 @@ class ToyModel(nn.Module):
         self.layerdrop = layerdrop
         self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
         self.pool = nn.MaxPool2d(2)
-        if layerdrop == "off":
+        if layerdrop == "off":  # fc1 is the classifier; with layerdrop, a hidden layer before fc2 and fc3
             self.fc1 = nn.Linear(1440, 10)
         else:
             self.fc1 = nn.Linear(1440, 20)
@@ -154,7 +154,7 @@ class ToyModel(nn.Module):
         for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None runs every one.
             if keep is None:  # Evaluation runs every application, as LayerDrop does at inference.
                 x = self.fc2(x)
-            elif self.layerdrop == "dynamic":  # Python bools shape the traced graph: one per count of fc2 kept.
+            elif self.layerdrop == "dynamic":  # Python bools shape the graph: one per number of fc2 applications.
                 if keep[i]:
                     x = self.fc2(x)
             else:  # Static: a tensor of bools, chosen on the device inside one graph.
@@ -179,7 +179,7 @@ def on_device(run, loader, skip=0, stop=None):
     """Batches `skip` to `stop` of the loader (the skipped ones are loaded too), on the device. MpDeviceLoader copies
     them while a step runs and cuts each step's graph; under SPMD it shards each field (docs: perf/spmd_advanced)."""
     spec = None
-    if run.mesh is not None:  # Each field is split along its first axis.
+    if run.mesh is not None:  # Each field is split along its first axis (the batch) and replicated along the rest.
         fields = loader.dataset.datasets.items()  # StackDataset keeps its fields in .datasets.
         spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
@@ -292,18 +292,18 @@ def train(run):
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
 def launch(args, kind, out_dir):
     """Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit."""
-    with Control(args, out_dir) as control:
+    with Control(args, out_dir) as control:  # run control: stop signals, a replica that dies, the smoke deadline
         try:
             if args.spmd:
                 train(start_replica(args, kind, out_dir, control))
-            else:  # nprocs=None starts a process per TPU chip.
+            else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
                 xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
         except Exit:
             raise  # Every replica raised it at the same point.
         except Exception as e:  # The launcher ended the run, a replica died or failed, or a runtime did not start.
             ended = control.exit_for(e, kind)
             if ended is None:
-                raise  # A bug in the only replica: main() prints its traceback.
+                raise  # A bug in the only replica (several leave a failed-N file): main() prints its traceback.
             raise ended from e
 
 
@@ -327,7 +327,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         code, line = 130, "interrupted"
     except Exception as e:
-        code, line = 1, bug(e)
+        code, line = 1, report_bug(e)
     print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
     return code
 
@@ -348,7 +348,7 @@ def checkpoint_or_stop(run, epoch, step):
         recompiles = compiles()[0] - run.warm_compiles  # (set at the end of the first epoch, in end_epoch)
     # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
     mine = [run.control.stop_signal(), recompiles]  # the launcher's stop signal (0: none), this process's recompiles
-    signum, recompiles = agree(run, mine).int().tolist()  # each the largest over the replicas
+    signum, most_recompiles = agree(run, mine).int().tolist()  # each the largest over the replicas
     # - the epoch's end: evaluate, save and log the epoch; then stop if asked, unless it was the last epoch;
     # - a stop signal mid-epoch: save at once, without evaluating (the grace is short), then stop;
     # - a --save-steps step: evaluate and save.
@@ -356,7 +356,7 @@ def checkpoint_or_stop(run, epoch, step):
     if epoch_ends or signum or saving:
         run.log.drain()  # A wait for the device: metrics.jsonl then holds every step the checkpoint holds.
     if epoch_ends:
-        end_epoch(run, epoch, recompiles)
+        end_epoch(run, epoch, most_recompiles)
         if epoch == args.epochs:
             return  # A stop after the last epoch lets the run finish.
     elif signum:
@@ -517,12 +517,12 @@ class Exit(Exception):
         return self.line
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # One line, instead of argparse's usage block.
+class Parser(argparse.ArgumentParser):  # argparse's, but a bad flag raises Exit: one line, not the usage block
+    def error(self, message):
         raise Exit(2, f"error: {message} (see --help)")
 
 
-def bug(e):
+def report_bug(e):
     """The line for an unexpected exception, a bug in your model say. Its traceback is printed first: you need it."""
     traceback.print_exception(e)
     return f"failed: {type(e).__name__}: {e} (traceback above)"
@@ -750,7 +750,7 @@ def save(run, *, next_epoch, steps_done, test=None):
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(path + ".tmp"), planner=xc.SPMDSavePlanner())
         shutil.rmtree(path, ignore_errors=True)  # A position saved again: os.replace cannot replace a full folder.
     if run.master:
-        os.replace(path + ".tmp", path)  # Whole or not at all: a kill mid-write leaves the last good checkpoints.
+        os.replace(path + ".tmp", path)  # A kill mid-write, or before this, leaves the last good checkpoints.
         settings = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # whose they are
         write_json(os.path.join(run.out_dir, "settings.json"), settings)
         for old in checkpoints(run.out_dir)[:-KEEP_CHECKPOINTS]:
@@ -916,7 +916,7 @@ class Control:
         return self.read("stop").get("stop", 0)
 
     def fail_alone(self, run, e):  # The launcher reads the line, and ends every replica.
-        self.write(f"failed-{run.rank}", f"replica {run.rank}: {bug(e)}")
+        self.write(f"failed-{run.rank}", f"replica {run.rank}: {report_bug(e)}")
 
     # The launcher's side.
     def __enter__(self):
@@ -955,20 +955,20 @@ class Control:
                     self.end(Exit(1, why))
                 elif time.monotonic() > self.grace_ends and "training" in stages:
                     self.end(self.grace_over)
-                elif time.monotonic() > self.deadline and "done" not in stages:
+                elif time.monotonic() > self.deadline and "done" not in stages and os.path.isdir(self.folder):
                     deadline_passed(self)
                 time.sleep(0.5)
 
     def why_replicas_ended(self):  # A dead process comes first: a survivor's error in a collective only follows it.
         self.seen.update((p.pid, p) for p in multiprocessing.active_children() if p.pid not in self.not_ours)
-        for p in list(self.seen.values()):  # (The watch and explain() may both be here.)
+        for p in list(self.seen.values()):  # (The watch and exit_for() may both be here.)
             if p.exitcode not in (None, 0):
                 how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
                 ranks = [str(rank) for rank, (pid, _) in self.replicas().items() if pid == p.pid] or ["?"]
                 return f"failed: replica {' and '.join(ranks)}'s process died ({how}); its checkpoints stay"
         return next(iter(self.read("failed-").values()), None)  # the first replica that failed alone
 
-    def end(self, ended):  # Kills the replica processes (each holds a TPU chip), so that xmp.spawn raises `ended`.
+    def end(self, ended):  # Kills the replica processes (each holds a TPU chip): xmp.spawn raises, launch() `ended`.
         self.ended = ended
         children = [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
         if not children:  # A replica in this process cannot be killed: the process prints the line and exits.
@@ -981,7 +981,7 @@ class Control:
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
         if self.ended is None and (why := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
             self.ended = Exit(1, why)
-        if self.ended is None and not self.replicas():
+        if self.ended is None and not self.replicas():  # No replica has set a stage: none has a runtime.
             self.ended = Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}")
         return self.ended
 
@@ -1048,9 +1048,11 @@ def check_numerics(run):
     PyTorch on the host: the logits, the loss and the weight update (-lr x gradient), each compared by norm."""
     args = run.args
     images, labels = load_split(args, train=True)
+    state = initial_model(args).state_dict()  # the same weights on both, whatever your initialisation does
     results = []
     for device in (run.device, torch.device("cpu")):
-        model = initial_model(args).to(device)  # the same weights on both, from --seed
+        model = build_model(args).to(device)
+        model.load_state_dict(state)
         with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
             logits = model(model_input(images[: run.load_batch].to(device)))
             loss = F.cross_entropy(logits, labels[: run.load_batch].to(device))
@@ -1059,7 +1061,7 @@ def check_numerics(run):
         results.append([t.detach().float().cpu() for t in (logits, loss, update)])
     on_device, on_cpu = results
     diffs = [float((a - b).norm() / b.norm()) for a, b in zip(on_device, on_cpu, strict=True)]
-    tol = tolerance(run, bf16=args.bf16)
+    tol = tolerance(run, other_device="CPU", bf16=args.bf16)
     figure = f"logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, update {diffs[2]:.1e} (tolerance {tol:.0e})"
     return max(diffs) <= tol, f"first step, device vs eager CPU, relative by norm: {figure}"
 
@@ -1157,14 +1159,15 @@ def synthetic_digits(n, seed):
 def fit(**flags):
     """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
     host), its history per step and per epoch, and with smoke=True the verdict. It raises Exit where main() would
-    exit non-zero, except for a failed smoke verdict, which comes back in .verdict. With a replica in this process
+    exit non-zero (a bug in a replica in this process, its own exception), except for a failed smoke verdict, which
+    comes back in .verdict. With a replica in this process
     (--cores 1, --spmd), run control ends the process when it must end the run at once: a second signal, a smoke
     deadline, a stop's grace over."""
     argv = []
     for name, value in flags.items():
         flag = name.replace("_", "-")
         if value is None or (value is False and name not in SETTINGS):
-            continue  # left out, or a switch left off
+            continue  # left out, or a switch left off (a saved one, bf16, becomes --no-bf16 below)
         if value is True:
             argv.append(f"--{flag}")
         elif value is False:
