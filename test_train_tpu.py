@@ -348,6 +348,14 @@ def check_numerics(run):  # replica 1's device computes the first step wrong
     return passed and run.rank != 1, figure
 tt.CHECKS = (tt.CHECKS[0], check_numerics, *tt.CHECKS[2:])
 """
+ALONE = """
+def collective_broadcast(*args, **kwargs):  # replica 1 alone cannot read its checkpoint; 0 waits in the broadcast
+    if xr.global_ordinal() == 1:
+        print("FAULT: replica 1 exits alone", flush=True)
+        raise tt.Exit(2, "error: checkpoint c.pt: cannot read it (OSError): on replica 1 only")
+    time.sleep(3600)
+xm.collective_broadcast = collective_broadcast
+"""
 STALL = """
 def all_reduce(*args, **kwargs):  # a collective that never completes
     time.sleep(3600)
@@ -427,6 +435,7 @@ def started(tmp_path_factory):
         ),
         "two_killed": lambda: world(root, "processes", *TWO_KILLED.split(), patch=KILLED_MID_WRITE),
         "two_recompiles": lambda: world(root, "processes", *TWO_RECOMPILES.split(), patch=LATE_LAST_SAVE, timeout=120),
+        "alone": lambda: world(root, "processes", "--data", "synthetic", "--out-dir", "alone", patch=ALONE, timeout=90),
         "two_stall": lambda: world(
             root, "threads", "--smoke", "--smoke-timeout", 5, "--out-dir", "two-stall", patch=STALL, timeout=120
         ),
@@ -819,9 +828,9 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     sent.clear()
     run = types.SimpleNamespace(world=2, device=torch.device("cpu"))
     control = tt.Control(tt.parse_args([]), "out")
-    assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [0, 3] and sent == [torch.float32]
+    assert tt.agree(run, [control.read("stop").get("stop", 0), 3]).tolist() == [0, 3] and sent == [torch.float32]
     control.write("stop", 15)
-    assert tt.agree(run, [control.stop_signal(), 3]).tolist() == [15, 3]
+    assert tt.agree(run, [control.read("stop").get("stop", 0), 3]).tolist() == [15, 3]
 
 
 def test_a_replica_that_fails_alone_tells_the_launcher_and_still_raises(monkeypatch, tmp_path):
@@ -831,7 +840,8 @@ def test_a_replica_that_fails_alone_tells_the_launcher_and_still_raises(monkeypa
     monkeypatch.setattr(tt, "train", lambda run: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         tt._mp_fn(1, None, "CPU", str(tmp_path), control)
-    assert control.why_replicas_ended() == "replica 1: failed: ZeroDivisionError: division by zero (traceback above)"
+    ended = control.why_replicas_ended()
+    assert (ended.code, ended.line) == (1, "replica 1: failed: ZeroDivisionError: division by zero (traceback above)")
 
 
 def test_the_launchers_watch_ends_with_the_run(tmp_path):
@@ -1381,6 +1391,13 @@ def test_a_replica_process_killed_mid_write_ends_the_run_with_exit_1_and_the_las
     out_dir = runs["root"] / "two-killed"
     assert tt.find_checkpoint(str(out_dir)).endswith("checkpoint-0002-000000320.pt")  # 5 steps of 64: not the torn one
     assert final(out_dir)["samples"] == 320
+
+
+def test_an_exit_that_one_replica_raises_alone_ends_every_replica_with_its_code_and_line(runs):
+    """An Exit is raised by every replica at the same point, unless one alone cannot read a checkpoint, say."""
+    code, out, err, left, after_fault = runs["alone"]
+    assert code == 2 and not left and after_fault < 30, err[-3000:]
+    assert last_line_of(err) == "train_tpu.py: error: checkpoint c.pt: cannot read it (OSError): on replica 1 only"
 
 
 def test_a_stalled_stage_fails_by_name_once_at_the_deadline_and_no_replica_process_outlives_the_launcher(runs):

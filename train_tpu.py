@@ -311,9 +311,9 @@ def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, onc
     run = start_replica(args, kind, out_dir, control)
     try:
         train(run)
-    except Exception as e:  # Every replica raises an Exit at the same point; any other exception is this one's alone.
-        if run.world > 1 and not isinstance(e, Exit):
-            control.fail_alone(run, e)  # The launcher ends the others, which would wait for this one in an all-reduce.
+    except Exception as e:  # Any but an agreed Exit may be this replica's alone: the others would wait for it.
+        if run.world > 1 and (not isinstance(e, Exit) or e.code == 2):  # (Exit 2 is bad input, found before training.)
+            control.fail_alone(run, e)  # The launcher ends every replica.
         raise
 
 
@@ -347,7 +347,7 @@ def checkpoint_or_stop(run, epoch, step):
     if run.warm_compiles is not None:
         recompiles = compiles()[0] - run.warm_compiles  # (set at the end of the first epoch, in end_epoch)
     # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
-    mine = [run.control.stop_signal(), recompiles]  # the launcher's stop signal (0: none), this process's recompiles
+    mine = [run.control.read("stop").get("stop", 0), recompiles]  # the launcher's stop signal (or 0), our recompiles
     signum, most_recompiles = agree(run, mine).int().tolist()  # each the largest over the replicas
     # - the epoch's end: evaluate, save and log the epoch; then stop if asked, unless it was the last epoch;
     # - a stop signal mid-epoch: save at once, without evaluating (the grace is short), then stop;
@@ -912,11 +912,9 @@ class Control:
     def set_stage(self, run, stage):  # The smoke deadline names the stage, should it pass.
         self.write(f"replica-{run.rank}", [os.getpid(), stage])
 
-    def stop_signal(self):  # the number of the stop signal that the launcher took, or 0
-        return self.read("stop").get("stop", 0)
-
-    def fail_alone(self, run, e):  # The launcher reads the line, and ends every replica.
-        self.write(f"failed-{run.rank}", f"replica {run.rank}: {report_bug(e)}")
+    def fail_alone(self, run, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
+        ended = e if isinstance(e, Exit) else Exit(1, f"replica {run.rank}: {report_bug(e)}")
+        self.write(f"failed-{run.rank}", [ended.code, ended.line])
 
     # The launcher's side.
     def __enter__(self):
@@ -951,22 +949,23 @@ class Control:
         with contextlib.suppress(FileNotFoundError):  # The folder goes when the run ends, and so does the watch.
             while self.ended is None and os.path.isdir(self.folder):
                 stages = [stage for _, stage in self.replicas().values()]
-                if why := self.why_replicas_ended():
-                    self.end(Exit(1, why))
+                if ended := self.why_replicas_ended():
+                    self.end(ended)
                 elif time.monotonic() > self.grace_ends and "training" in stages:
                     self.end(self.grace_over)
                 elif time.monotonic() > self.deadline and "done" not in stages and os.path.isdir(self.folder):
                     deadline_passed(self)
                 time.sleep(0.5)
 
-    def why_replicas_ended(self):  # A dead process comes first: a survivor's error in a collective only follows it.
+    def why_replicas_ended(self):  # An Exit, or None. A dead process comes first: a survivor's error only follows it.
         self.seen.update((p.pid, p) for p in multiprocessing.active_children() if p.pid not in self.not_ours)
         for p in list(self.seen.values()):  # (The watch and exit_for() may both be here.)
             if p.exitcode not in (None, 0):
                 how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
                 ranks = [str(rank) for rank, (pid, _) in self.replicas().items() if pid == p.pid] or ["?"]
-                return f"failed: replica {' and '.join(ranks)}'s process died ({how}); its checkpoints stay"
-        return next(iter(self.read("failed-").values()), None)  # the first replica that failed alone
+                return Exit(1, f"failed: replica {' and '.join(ranks)}'s process died ({how}); its checkpoints stay")
+        failed = list(self.read("failed-").values())  # [code, line] of the replicas that failed alone, the first first
+        return Exit(*failed[0]) if failed else None
 
     def end(self, ended):  # Kills the replica processes (each holds a TPU chip): xmp.spawn raises, launch() `ended`.
         self.ended = ended
@@ -979,8 +978,8 @@ class Control:
             child.kill()
 
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
-        if self.ended is None and (why := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
-            self.ended = Exit(1, why)
+        if self.ended is None:  # xmp.spawn raised before the watch looked.
+            self.ended = self.why_replicas_ended()
         if self.ended is None and not self.replicas():  # No replica has set a stage: none has a runtime.
             self.ended = Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}")
         return self.ended
