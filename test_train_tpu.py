@@ -953,6 +953,9 @@ def test_a_named_older_checkpoint_resumes_with_its_own_settings_and_the_newest_w
     assert tt.parse_args(["--resume", tmp_path]).lr == 0.2
     assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt"]).lr == 0.1
     assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt", "--lr", 0.3]).lr == 0.3
+    for damaged in ("{", "[1]", json.dumps(dict(checkpoint="checkpoint-0003-000000000.pt"))):  # the checkpoint's, then
+        (tmp_path / "settings.json").write_text(damaged)
+        assert tt.parse_args(["--resume", tmp_path]).lr == 0.25
 
 
 def test_with_one_epoch_the_compilation_check_says_there_is_nothing_to_count(monkeypatch):

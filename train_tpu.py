@@ -632,12 +632,13 @@ class Log:
     def read_losses(self, upto=None):
         """Reads back the losses up to step `upto` (all when None), and frees them: a live tensor per step would slow
         every graph cut a little more."""
+        rows = []
         while self.unread and (upto is None or self.unread[0][0] <= upto):
             step, loss = self.unread.pop(0)
             self.losses[step] = float(loss.cpu())
             self.run.history.append(self.losses[step])
-            row = dict(epoch=self.epoch, step=step, loss=self.losses[step])
-            self.record(row, {"train/loss": row["loss"]}, (self.epoch - 1) * self.run.steps + step)
+            rows.append(dict(epoch=self.epoch, step=step, loss=self.losses[step]))
+        self.record(rows, [("train/loss", r["loss"], (self.epoch - 1) * self.run.steps + r["step"]) for r in rows])
 
     def print_step(self, step):
         self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {self.losses[step]:.4f}")
@@ -662,17 +663,20 @@ class Log:
             f"epoch {self.epoch} compiles in this process | {counts} | {seconds:.1f} s compiling in all | "
             f"CPU fallback ops: {row['fallback_ops']}"
         )
-        scalars = {"test/accuracy": test.accuracy, "train/samples_per_s": rate or 0}
-        self.record(row, scalars, self.epoch * run.steps)
+        x = self.epoch * run.steps
+        self.record([row], [("test/accuracy", test.accuracy, x), ("train/samples_per_s", rate or 0, x)])
+        if self.board is not None:
+            self.board.flush()  # once an epoch: the scalars of an epoch reach the disk without a write per step
 
-    def record(self, row, scalars, x):  # The master appends the row to metrics.jsonl, and adds the scalars at step x.
+    def record(
+        self, rows, scalars
+    ):  # The master appends rows to metrics.jsonl, and (name, value, step) to TensorBoard.
         if self.board is None:
             return
         with open(os.path.join(self.run.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-        for name, value in scalars.items():
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        for name, value, x in scalars:
             self.board.add_scalar(name, value, x)
-        self.board.flush()
 
     def close(self):
         if self.board is not None:
@@ -787,12 +791,11 @@ def saved_settings(path):
     """The settings of the run that --resume PATH continues: from the settings.json beside its checkpoint, without
     loading the weights, when that checkpoint wrote it; else from inside the checkpoint."""
     ckpt = find_checkpoint(path)
-    beside = os.path.join(os.path.dirname(ckpt), "settings.json")
-    if os.path.exists(beside):
-        with open(beside) as f:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or damaged: the checkpoint's own
+        with open(os.path.join(os.path.dirname(ckpt), "settings.json")) as f:
             saved = json.load(f)
         if saved["checkpoint"] == os.path.basename(ckpt):
-            return saved["settings"]
+            return dict(saved["settings"])
     return load_checkpoint(ckpt)["settings"]
 
 
@@ -1180,10 +1183,11 @@ def fit(**flags):
     except Exit as e:
         if e.code != 5:
             raise
-    model = None  # A smoke deadline can pass before the first checkpoint.
-    if checkpoints(out_dir):
+    found = checkpoints(out_dir)  # none if a smoke deadline passed before the first
+    model = None
+    if found:
         model = build_model(args)
-        model.load_state_dict(load_checkpoint(checkpoints(out_dir)[-1])["model"])
+        model.load_state_dict(load_checkpoint(found[-1])["model"])
     verdict = None
     if args.smoke:
         with open(os.path.join(out_dir, "verdict.json")) as f:
