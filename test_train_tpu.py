@@ -681,7 +681,7 @@ def test_out_dir_under_a_file_and_one_that_holds_a_run_exit_2(tmp_path, capsys, 
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     (tmp_path / "file").write_text("")
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "metrics.jsonl").write_text("")
+    (tmp_path / "old" / "checkpoint-0002-000000000.pt").write_text("")
     for out, words in ((tmp_path / "file" / "run", "cannot make it"), (tmp_path / "old", "holds a run")):
         assert tt.main(["--cores", "1", "--data", "synthetic", "--out-dir", str(out)]) == 2
         err = capsys.readouterr().err
@@ -901,12 +901,12 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     vars(run).update(mesh=None, devices=2, kind="CPU", out_dir="out", say=printed.append)
     log = tt.Log(run)
     log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
-    log.losses[30] = 0.25
     log.started = 100.0  # step 2's graph launched at 100 s
     log.finished = 107.0  # and step 30 had finished at 107 s
-    log.end_epoch(tt.TestResult(0.5, 90.0, 1000), "ckpt")
-    assert f"| {28 * 256 / 7.0:,.0f} samples/s |" in printed[2] and "1,024 samples/s" in printed[2]
-    assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[3]  # 7 compiled, 5 of them by the warm-up's end
+    row = log.end_epoch(tt.TestResult(0.5, 90.0, 1000))
+    assert printed[1].endswith(f"| {28 * 256 / 7.0:,.0f} samples/s") and "1,024 samples/s" in printed[1]
+    assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[2]  # 7 compiled, 5 of them by the warm-up's end
+    assert row["samples_per_s"] == pytest.approx(1024.0) and (row["compiles"], row["recompiles"]) == (0, 2)
 
 
 def test_the_numerics_check_compares_one_set_of_weights_whatever_your_initialisation_does(monkeypatch):
@@ -930,6 +930,7 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
     F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3])).backward()
     optimizer.step()
     ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), epoch=2, samples=0, settings={})
+    ckpt.update(history=[], epochs=[])
     torch.save(ckpt, tmp_path / "checkpoint-0002-000000000.pt")
     run = types.SimpleNamespace(master=True, model=model, optimizer=optimizer, out_dir=str(tmp_path))
     assert tt.check_checkpoint(run) == (
@@ -946,7 +947,8 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
 
 def test_a_named_older_checkpoint_resumes_with_its_own_settings_and_the_newest_with_the_folders(tmp_path):
     for lr, name in ((0.1, "checkpoint-0002-000000000.pt"), (0.25, "checkpoint-0003-000000000.pt")):
-        torch.save(dict(model={}, optimizer={}, epoch=2, samples=0, settings=dict(lr=lr)), tmp_path / name)
+        ckpt = dict(model={}, optimizer={}, epoch=2, samples=0, history=[], epochs=[], settings=dict(lr=lr))
+        torch.save(ckpt, tmp_path / name)
         time.sleep(0.02)  # the newest is the last written
     settings = dict(checkpoint="checkpoint-0003-000000000.pt", settings=dict(lr=0.2))  # written by the newest
     (tmp_path / "settings.json").write_text(json.dumps(settings))  # (read without loading it: 0.2, not 0.25)
@@ -969,7 +971,9 @@ def test_with_one_epoch_the_compilation_check_says_there_is_nothing_to_count(mon
 
 def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint-0002-000000000.pt"
-    torch.save(dict(model={"w": torch.zeros(1)}, optimizer={}, epoch=2, samples=0, settings={}), path)
+    torch.save(
+        dict(model={"w": torch.zeros(1)}, optimizer={}, epoch=2, samples=0, history=[], epochs=[], settings={}), path
+    )
     run = types.SimpleNamespace(args=tt.parse_args(["--resume", str(path)]), model=tt.ToyModel())
     with pytest.raises(tt.Exit, match=r"its model is not this run's: Error\(s\) in loading state_dict for ToyModel: "):
         tt.resume(run)
@@ -1023,18 +1027,6 @@ def test_damaged_checkpoints_exit_2_in_one_line(runs, tmp_path):
             tt.load_checkpoint(str(tmp_path / path))
 
 
-def test_history_keeps_each_step_once_as_last_trained_and_skips_a_torn_line(tmp_path):
-    rows = [
-        dict(epoch=1, step=1, loss=0.5),
-        dict(epoch=1, step=2, loss=0.4),
-        dict(epoch=1, step=2, loss=0.3),
-        dict(epoch=1, test_loss=0.2, accuracy=90.0),
-    ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"epoch": 2, "st')
-    m = tt.read_metrics(str(tmp_path))
-    assert [(h["step"], h["loss"]) for h in m["history"]] == [(1, 0.5), (2, 0.3)] and m["epochs"] == rows[3:]
-
-
 # ---- a run, and its files ------------------------------------------------------------------------------------------
 def test_a_run_learns_logs_every_step_and_keeps_its_newest_two_checkpoints(runs):
     r = ok(runs["straight"][0])
@@ -1052,12 +1044,13 @@ def test_a_run_learns_logs_every_step_and_keeps_its_newest_two_checkpoints(runs)
         "checkpoint-0003-000000000.pt",
     ]  # the newest 2 of 4 saves
     plain = torch.load(out / "checkpoint-0003-000000000.pt", weights_only=True)  # xm.save wrote a torch.save file
-    m = tt.read_metrics(str(out))
+    m = final(str(out))
     assert [(h["epoch"], h["step"]) for h in m["history"]] == [(e, s) for e in (1, 2) for s in range(1, 31)]
     assert (
         plain["epoch"] == 3 and plain["test_loss"] == m["epochs"][-1]["test_loss"] and m["epochs"][-1]["accuracy"] > 90
     )
-    assert f"test loss {plain['test_loss']:.4f} | accuracy {plain['accuracy']:.2f}% (5,000 samples)" in r.stdout
+    accuracy = plain["epochs"][-1]["accuracy"]
+    assert f"test loss {plain['test_loss']:.4f} | accuracy {accuracy:.2f}% (5,000 samples)" in r.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(out)).Reload()
@@ -1068,7 +1061,9 @@ def test_a_run_learns_logs_every_step_and_keeps_its_newest_two_checkpoints(runs)
 
 def test_resuming_a_finished_run_trains_nothing_and_reports_its_saved_accuracy(runs):
     r = ok(runs["straight"][3])
-    saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["accuracy"]
+    saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["epochs"][-1][
+        "accuracy"
+    ]
     assert "continuing at epoch 3 of 2" in r.stdout and not re.search(r"^epoch \d+ step", r.stdout, re.M)
     assert r.stdout.strip().splitlines()[-1] == f"done | 2 epochs | test accuracy {saved:.2f}%" and saved > 90
 
@@ -1081,7 +1076,7 @@ def same_run(a, b):
         assert torch.allclose(w, wb["model"][name], atol=1e-6), name
     for i, state in wa["optimizer"]["state"].items():
         assert torch.allclose(state["momentum_buffer"], wb["optimizer"]["state"][i]["momentum_buffer"], atol=1e-6)
-    ha, hb = tt.read_metrics(str(a))["history"], tt.read_metrics(str(b))["history"]
+    ha, hb = final(str(a))["history"], final(str(b))["history"]
     assert [(h["epoch"], h["step"]) for h in hb] == [(h["epoch"], h["step"]) for h in ha]
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(ha, hb, strict=True)) <= 1e-6
 
@@ -1099,7 +1094,7 @@ def test_sigterm_saves_at_the_next_boundary_and_the_resumed_run_equals_the_unint
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(runs["root"] / "stop-SIGTERM")).Reload()  # the stop closed the writer: every step
-    assert len(board.Scalars("train/loss")) == len(tt.read_metrics(str(runs["root"] / "stop-SIGTERM"))["history"])
+    assert len(board.Scalars("train/loss")) == len(final(str(runs["root"] / "stop-SIGTERM"))["history"])
 
 
 def test_kill_9_resumes_from_the_newest_whole_checkpoint_exactly(runs):
@@ -1164,7 +1159,8 @@ def tampered(root):
         "samples": 0,
         "device": "CPU",
         "test_loss": 0.05,
-        "accuracy": 99.0,
+        "history": [],
+        "epochs": [dict(epoch=1, test_loss=0.05, accuracy=99.0)],
         "settings": dict(data="synthetic", data_dir="data", epochs=2, seed=0),
     }
     os.makedirs(root / "tampered")
@@ -1226,7 +1222,7 @@ def test_dynamic_layerdrop_recompiles_as_predicted_and_static_compiles_one_graph
 # ---- the smoke verdict ---------------------------------------------------------------------------------------------
 FIT_SMOKE = """
 import json, torch, train_tpu as tt
-r = tt.fit(smoke=True, cores=1, steps_per_epoch=20, out_dir="fit", bf16=False, spmd=False)
+r = tt.fit("--smoke", "--cores", 1, "--steps-per-epoch", 20, "--out-dir", "fit")
 images, labels = tt.load_split(tt.parse_args(["--data", "synthetic"]), train=False)
 with torch.no_grad():
     accuracy = 100 * (r.model(tt.model_input(images)).argmax(1) == labels).float().mean().item()
@@ -1334,13 +1330,13 @@ def test_resumed_two_replicas_train_and_evaluate_as_eager_pytorch_until_replica_
     out_dir = runs["root"] / "two"
     assert tt.find_checkpoint(str(out_dir)).endswith("checkpoint-0003-000000000.pt")  # the last good one stays
     saved = final(out_dir)
-    lines = tt.read_metrics(str(out_dir))["history"]  # each step once, as last trained, before the stop and after
+    lines = final(str(out_dir))["history"]  # each step once, as last trained, before the stop and after
     assert [(h["epoch"], h["step"]) for h in lines if h["epoch"] < 3] == [(e, s) for e in (1, 2) for s in range(1, 7)]
     model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6)])  # the resumed run went on exactly
     assert [h["loss"] for h in lines if h["epoch"] < 3] == pytest.approx(losses, abs=1e-5)  # replica 0's shard
     same_weights(saved, model, optimizer)
     loss, accuracy = eager_test(model, tt.parse_args([str(a) for a in WORLD_RUN]))
-    assert saved["test_loss"] == pytest.approx(loss, abs=1e-5) and saved["accuracy"] == pytest.approx(
+    assert saved["test_loss"] == pytest.approx(loss, abs=1e-5) and saved["epochs"][-1]["accuracy"] == pytest.approx(
         accuracy, abs=1e-3
     )
     assert f"epoch 2 done | test loss {loss:.4f} | accuracy {accuracy:.2f}% (5,000 samples)" in out  # both shards
@@ -1381,7 +1377,7 @@ def test_two_replica_processes_agree_to_exit_3_on_dynamic_layerdrop_after_the_ma
     )
     out_dir = runs["root"] / "two-recompiles"
     assert tt.find_checkpoint(str(out_dir)).endswith("checkpoint-0003-000000000.pt")  # written 2 s late, and there
-    assert [e["epoch"] for e in tt.read_metrics(str(out_dir))["epochs"]] == [1, 2]
+    assert [e["epoch"] for e in final(str(out_dir))["epochs"]] == [1, 2]
 
 
 def test_a_replica_process_killed_mid_write_ends_the_run_with_exit_1_and_the_last_whole_checkpoint_stays(runs):
@@ -1504,4 +1500,4 @@ def two_edits(folder):
 def test_two_edits_train_your_own_model_through_the_smoke_test(runs):
     r = ok(runs["two_edits"])
     assert "smoke verdict: PASS" in r.stdout  # every check: numerics, the checkpoint read back, learning
-    assert tt.read_metrics(str(runs["root"] / "adapted" / "run"))["epochs"][-1]["accuracy"] > 90
+    assert final(str(runs["root"] / "adapted" / "run"))["epochs"][-1]["accuracy"] > 90

@@ -1,6 +1,6 @@
 """train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN on MNIST on every TPU core (xmp.spawn), or
-from one process that shards each batch over every device (--spmd). The training path comes first, each piece before
-the code that uses it; the instruments it calls follow. Your own classifier takes two edits, in the sections "your own".
+from one process that shards each batch over every device (--spmd), and it is the smoke test of a new TPU VM. The
+training path reads first, top to bottom; the instruments it calls follow it. README.md tells the rest.
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 5 if not
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
@@ -33,7 +33,6 @@ import threading
 import time
 import traceback
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,6 +59,15 @@ SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, targe
 
 
 # ---- flags -----------------------------------------------------------------------------------------------------------
+RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
+    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
+    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
+    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
+    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
+    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
+)
+
+
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() passes numbers too
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -75,14 +83,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffles and layerdrop's coins")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bfloat16 training forward")
     p.add_argument("--target-accuracy", type=float, default=0.0, help="exit 21 if the final accuracy (%%) is below")
-    # layerdrop: a model whose graph changes from step to step recompiles; one that decides on the device does not
+    # The article's lesson: a model whose graph changes from step to step recompiles; one that decides on the device
+    # does not.
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more compile after epoch 1")
-    # the smoke test
-    p.add_argument(
-        "--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; presets: {SMOKE}"
-    )
+    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {SMOKE}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps (and each epoch's 2nd, which times it)")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
@@ -91,8 +97,14 @@ def parse_args(argv=None):
     if "--smoke" in argv:
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
-    check_flags(p, args)  # every value in its range, and no --resume with --smoke
-    if args.resume:  # Saved settings become the defaults, so the flags given now still win.
+    if args.smoke and args.resume:
+        p.error("--smoke checks a fresh run: leave out --resume")
+    for names, rule, ok in RANGES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
+    if args.resume:  # The saved settings become the defaults, so that the flags given now still win.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
     return args
@@ -137,7 +149,7 @@ class ToyModel(nn.Module):
         self.layerdrop = layerdrop
         self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
         self.pool = nn.MaxPool2d(2)
-        if layerdrop == "off":  # fc1 is the classifier; with layerdrop, a hidden layer before fc2 and fc3
+        if layerdrop == "off":  # fc1 is the classifier. With layerdrop, it is a hidden layer before fc2 and fc3.
             self.fc1 = nn.Linear(1440, 10)
         else:
             self.fc1 = nn.Linear(1440, 20)
@@ -145,19 +157,17 @@ class ToyModel(nn.Module):
             self.fc3 = nn.Linear(20, 10)
 
     def forward(self, x, keep=None):
-        x = F.relu(self.conv1(x))
-        x = self.pool(x)
-        x = torch.flatten(x, 1)
-        x = self.fc1(x)
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.fc1(torch.flatten(x, 1))
         if self.layerdrop == "off":
             return x
-        for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None runs every one.
+        for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs.
             if keep is None:  # Evaluation runs every application, as LayerDrop does at inference.
                 x = self.fc2(x)
-            elif self.layerdrop == "dynamic":  # Python bools shape the graph: one per number of fc2 applications.
+            elif self.layerdrop == "dynamic":  # Python bools shape the graph: one graph per number of applications.
                 if keep[i]:
                     x = self.fc2(x)
-            else:  # Static: a tensor of bools, chosen on the device inside one graph.
+            else:  # Static: a tensor of bools, used on the device inside one graph.
                 x = torch.where(keep[i], self.fc2(x), x)
         return self.fc3(x)
 
@@ -171,15 +181,27 @@ def train_loader(run, images, labels):
     """This replica's shard of the training set in whole batches (so every step has one shape), and its sampler."""
     data = StackDataset(image=images, label=labels)
     shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
-    # batch_size=None: each BatchSampler item, a list of indices, goes to the dataset whole (one indexing, 10x faster).
+    # batch_size=None hands each BatchSampler item, a list of indices, to the dataset whole: one indexing per batch.
     return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None), shard
 
 
+def test_loader(run, images, labels):
+    """This replica's share of the test set, padded with samples marked valid=0, so that every replica runs the same
+    number of batches of one shape and each test sample counts exactly once over the replicas."""
+    index = torch.arange(run.rank, len(labels), run.world)  # every world-th sample, from this replica's rank
+    share = math.ceil(len(labels) / run.world)  # the largest share of any replica
+    size = math.ceil(share / run.load_batch) * run.load_batch  # rounded up to whole batches
+    valid = (torch.arange(size) < len(index)).float()
+    index = torch.cat([index, index.new_zeros(size - len(index))])  # The padding repeats sample 0.
+    data = StackDataset(image=images[index], label=labels[index], valid=valid)
+    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, drop_last=False), batch_size=None)
+
+
 def on_device(run, loader, skip=0, stop=None):
-    """Batches `skip` to `stop` of the loader (the skipped ones are loaded too), on the device. MpDeviceLoader copies
-    them while a step runs and cuts each step's graph; under SPMD it shards each field (docs: perf/spmd_advanced)."""
+    """Batches `skip` to `stop` of the loader, on the device. MpDeviceLoader copies the next batch while a step runs,
+    and cuts the step's graph when it hands out a batch. Under SPMD it shards each field (docs: perf/spmd_advanced)."""
     spec = None
-    if run.mesh is not None:  # Each field is split along its first axis (the batch) and replicated along the rest.
+    if run.mesh is not None:  # Each field is split along its first axis, the batch, and replicated along the rest.
         fields = loader.dataset.datasets.items()  # StackDataset keeps its fields in .datasets.
         spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
@@ -195,14 +217,14 @@ def train_step(run, batch, keep):
         loss = F.cross_entropy(logits, batch["label"])
     loss.backward()
     if run.mesh is None:
-        xm.optimizer_step(run.optimizer)  # All-reduces (averages) the gradients over the replicas, then steps.
+        xm.optimizer_step(run.optimizer)  # It averages the gradients over the replicas (an all-reduce), then steps.
     else:
-        run.optimizer.step()  # Under SPMD the program spans every device, and GSPMD inserts the all-reduce itself.
+        run.optimizer.step()  # Under SPMD one program spans every device, and GSPMD inserts the all-reduce.
     return loss.detach()
 
 
 def evaluate(run):
-    """The test loss and accuracy (%). Sums stay on the device until one all-reduce over the replicas."""
+    """The test loss and accuracy (%). The sums stay on the device until one all-reduce over the replicas."""
     run.model.eval()
     totals = torch.zeros(3, device=run.device)  # the loss summed, the hits, the samples
     with torch.no_grad():
@@ -226,12 +248,12 @@ class Run:
 
     args: argparse.Namespace  # the flags, as parsed; never changed after
     kind: str  # the device kind, "TPU" or "CPU"
-    out_dir: str  # the run folder: checkpoints, metrics.jsonl, TensorBoard scalars, verdict.json
-    control: "Control"  # how the replicas learn of a stop signal, and tell the launcher that one failed
+    out_dir: str  # the run folder: checkpoints, TensorBoard scalars, settings.json, verdict.json
+    control: "Control"  # how the replicas hear of a stop signal, and tell the launcher that one of them failed
     device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
     rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes (rank 0); code that only the master runs checks it
+    master: bool = True  # whether this replica prints and writes (rank 0): the one master test
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
     global_batch: int = 0  # samples per step, over every device
@@ -241,9 +263,9 @@ class Run:
     optimizer: torch.optim.Optimizer = None
     test: DataLoader = None  # this replica's share of the test set
     log: "Log" = None
-    history: list = dataclasses.field(default_factory=list)  # every step's loss, read back: the smoke's learning check
-    accuracy: float = None  # the last epoch's test accuracy
-    warm_compiles: int = None  # graphs compiled in this process by the end of its first epoch, the warm-up
+    history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per step, saved with each checkpoint
+    epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
+    warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
     recompiles: int = 0  # graphs compiled after the warm-up: the most in any replica's process
 
     def say(self, line):  # The master prints, flushed at once: os._exit would drop a replica process's buffer.
@@ -255,11 +277,11 @@ def train_epoch(run, loader, epoch, skip):
     """The epoch's steps after the first `skip`, which a resumed run has done already."""
     run.log.start_epoch(epoch, skip)
     step = skip  # (for the check below, should the loop run no step)
-    batches = on_device(run, loader, skip=skip, stop=run.steps)
-    for step, batch in enumerate(batches, start=skip + 1):
+    for step, batch in enumerate(on_device(run, loader, skip=skip, stop=run.steps), start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
         run.log.add(step, loss)
-        checkpoint_or_stop(run, epoch, step)  # at log boundaries: stop, save; the last step also evaluates the epoch
+        # At each log boundary: stop if a signal came, save if one is due. The epoch's last step also evaluates.
+        checkpoint_or_stop(run, epoch, step)
     if step != run.steps:  # MpDeviceLoader ends an epoch quietly when the DataLoader fails.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
 
@@ -267,8 +289,8 @@ def train_epoch(run, loader, epoch, skip):
 def train(run):
     """One replica's run: the model, the data, then the epochs."""
     args = run.args
-    run.model = initial_model(args).to(run.device)  # from --seed alone
-    broadcast_weights(run)  # the master's, to every replica: for models whose initialisation ignores the seed
+    run.model = initial_model(args).to(run.device)  # The weights come from --seed alone.
+    broadcast_weights(run)  # The master's weights, to every replica, should a model's initialisation ignore the seed.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     loader, sampler = train_loader(run, *load_split(args, train=True))
@@ -277,7 +299,7 @@ def train(run):
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
-    first_epoch, skip = resume(run)  # (1, 0) for a fresh run. A resumed one is evaluated, and converted if need be.
+    first_epoch, skip = resume(run)  # (1, 0) for a fresh run. A resumed one is checked, and converted if need be.
     run.control.set_stage(run, "training")  # From now on a stop signal saves at the next log boundary.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
@@ -286,7 +308,7 @@ def train(run):
             skip = 0
     finally:
         run.log.close()  # TensorBoard writes its last scalars, on a stop too.
-    finish(run)  # the last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21)
+    finish(run)  # The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21).
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
@@ -303,7 +325,7 @@ def launch(args, kind, out_dir):
         except Exception as e:  # The launcher ended the run, a replica died or failed, or a runtime did not start.
             ended = control.exit_for(e, kind)
             if ended is None:
-                raise  # A bug in the only replica (several leave a failed-N file): main() prints its traceback.
+                raise  # A bug in the only replica: main() prints its traceback.
             raise ended from e
 
 
@@ -311,8 +333,8 @@ def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, onc
     run = start_replica(args, kind, out_dir, control)
     try:
         train(run)
-    except Exception as e:  # Any but an agreed Exit may be this replica's alone: the others would wait for it.
-        if run.world > 1 and (not isinstance(e, Exit) or e.code == 2):  # (Exit 2 is bad input, found before training.)
+    except Exception as e:  # Any error but an agreed Exit may be this replica's alone, and the others would wait.
+        if run.world > 1 and (not isinstance(e, Exit) or e.code == 2):  # Exit 2 is bad input, found before training.
             control.fail_alone(run, e)  # The launcher ends every replica.
         raise
 
@@ -344,41 +366,37 @@ def checkpoint_or_stop(run, epoch, step):
     if not saving and not run.log.is_boundary(step):
         return  # Between boundaries nothing waits for the device.
     recompiles = 0
-    if run.warm_compiles is not None:
-        recompiles = compiles()[0] - run.warm_compiles  # (set at the end of the first epoch, in end_epoch)
-    # Both figures travel in one all-reduce of one shape at every boundary, so it compiles once, in the warm-up.
-    mine = [run.control.read("stop").get("stop", 0), recompiles]  # the launcher's stop signal (or 0), our recompiles
-    signum, most_recompiles = agree(run, mine).int().tolist()  # each the largest over the replicas
-    # - the epoch's end: evaluate, save and log the epoch; then stop if asked, unless it was the last epoch;
-    # - a stop signal mid-epoch: save at once, without evaluating (the grace is short), then stop;
-    # - a --save-steps step: evaluate and save.
+    if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here.
+        recompiles = compiles()[0] - run.warm_compiles
+    # The launcher's stop signal (0 if none) and our recompiles travel in one all-reduce, of the same shape at every
+    # boundary, so that it compiles once, in the warm-up. Each comes back as the largest over the replicas.
+    signum, most_recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
     epoch_ends = step == run.steps
     if epoch_ends or signum or saving:
-        run.log.drain()  # A wait for the device: metrics.jsonl then holds every step the checkpoint holds.
-    if epoch_ends:
+        run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it trained.
+    if epoch_ends:  # Evaluate, save and log the epoch; then stop if asked, unless it was the last epoch.
         end_epoch(run, epoch, most_recompiles)
         if epoch == args.epochs:
-            return  # A stop after the last epoch lets the run finish.
-    elif signum:
+            return
+    elif signum:  # Mid-epoch, save at once, without evaluating: the grace before a forced exit is short.
         save(run, next_epoch=epoch, steps_done=step)
     elif saving:
         save(run, next_epoch=epoch, steps_done=step, test=evaluate(run))
     if signum:
-        run.control.set_stage(run, "stopping")  # saved: the launcher's grace no longer applies
-        at = f"epoch {epoch + 1} step 0" if epoch_ends else f"epoch {epoch} step {step}"  # where --resume continues
+        run.control.set_stage(run, "stopping")  # Saved: the launcher's grace no longer applies.
+        at = f"epoch {epoch + 1} step 0" if epoch_ends else f"epoch {epoch} step {step}"  # where --resume goes on
         why = f"stopped by {signal.Signals(signum).name} at {at}"
         raise Exit(128 + signum, f"{why}, checkpoint saved: continue with --resume {run.out_dir}")
 
 
 def end_epoch(run, epoch, recompiles):
-    """Evaluates, saves and logs the epoch. Exits 3 past --max-recompiles (--smoke reports it as a check instead)."""
+    """Evaluates, logs and saves the epoch. Exits 3 past --max-recompiles (--smoke reports it as a check instead)."""
     test = evaluate(run)
-    path = save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     if run.warm_compiles is None:
         run.warm_compiles = compiles()[0]  # The first epoch trained here is the warm-up.
-    run.accuracy = test.accuracy
     run.recompiles = recompiles
-    run.log.end_epoch(test, path)
+    run.epochs.append(run.log.end_epoch(test))
+    save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     limit = run.args.max_recompiles
     if limit is not None and recompiles > limit and not run.args.smoke:
         why = f"{recompiles} graphs compiled after warm-up (the first epoch trained here)"
@@ -391,7 +409,7 @@ def agree(run, values):
     values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
     if run.world == 1:
         return values
-    torch_xla.sync()  # It cuts the step's graph where MpDeviceLoader would, so the step's graph stays the same.
+    torch_xla.sync()  # It cuts the step's graph where MpDeviceLoader would, so that the step's graph stays the same.
     return xm.all_reduce(xm.REDUCE_MAX, values.to(run.device)).cpu()
 
 
@@ -405,25 +423,6 @@ def prepare(args):
     out_dir = prepare_out_dir(args, hosts)
     prepare_data(args)
     return kind, out_dir
-
-
-RANGES = (  # The flags' allowed values: (flags, the rule in words, the test).
-    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
-    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
-    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
-    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
-    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
-)
-
-
-def check_flags(p, args):  # One line for a value out of its range. NaN fails every comparison, so it is refused too.
-    if args.smoke and args.resume:
-        p.error("--smoke checks a fresh run: leave out --resume")
-    for names, rule, ok in RANGES:
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not ok(value):
-                p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
 
 
 def check_environment(args):
@@ -472,10 +471,8 @@ def prepare_out_dir(args, hosts):
     if args.out_dir is None and hosts > 1 and resumed is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    # A folder with a checkpoint or metrics.jsonl holds a run, which only a run resumed from it may go on writing.
-    holds_run = os.path.isdir(out_dir) and (checkpoints(out_dir) or "metrics.jsonl" in os.listdir(out_dir))
-    another_run = holds_run and resumed != os.path.abspath(out_dir)
-    if another_run:
+    # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
+    if os.path.isdir(out_dir) and checkpoints(out_dir) and resumed != os.path.abspath(out_dir):
         raise Exit(2, f"error: --out-dir {out_dir} holds a run: continue it with --resume, or name another folder")
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -511,7 +508,8 @@ class Exit(Exception):
 
     def __init__(self, code, line):
         super().__init__(code, line)  # The args pickle: xmp.spawn hands an Exit from a replica process to the launcher.
-        self.code, self.line = code, line
+        self.code = code
+        self.line = line
 
     def __str__(self):
         return self.line
@@ -530,12 +528,10 @@ def report_bug(e):
 
 def first_line(e):
     lines = str(e).strip().splitlines()
-    if not lines:
-        return type(e).__name__
-    return lines[0]
+    return lines[0] if lines else type(e).__name__
 
 
-# ---- a replica's first weights, its share of the test set, layerdrop's coins -----------------------------------------
+# ---- a replica's first weights, and layerdrop's coins ----------------------------------------------------------------
 def initial_model(args):
     """The model's first weights come from --seed alone, so they are the same on every replica and in every run."""
     with ONE_REPLICA_AT_A_TIME:  # TPU v2/v3 run two replica threads, which share the global RNG.
@@ -544,25 +540,13 @@ def initial_model(args):
 
 
 def broadcast_weights(run):
-    """Every replica takes the master's weights, in case a model's initialisation does not follow the seed. Integer
-    buffers are left out: TPUs all-reduce no int64 (pytorch/xla#1952), and a step count starts equal anyway."""
+    """Every replica takes the master's weights. Integer buffers are left out: TPUs all-reduce no int64
+    (pytorch/xla#1952), and a step count starts equal anyway."""
     if run.world == 1:
         return
     tensors = itertools.chain(run.model.parameters(), run.model.buffers())
     xm.collective_broadcast([t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)])
     torch_xla.sync()
-
-
-def test_loader(run, images, labels):
-    """This replica's share of the test set. It is padded with samples marked valid=0, so that every replica runs the
-    same number of batches of one shape, and each test sample is counted exactly once over the replicas."""
-    index = torch.arange(run.rank, len(labels), run.world)  # every world-th sample, from this replica's rank
-    share = math.ceil(len(labels) / run.world)  # the largest share of any replica
-    size = math.ceil(share / run.load_batch) * run.load_batch  # rounded up to whole batches, the same on every replica
-    valid = (torch.arange(size) < len(index)).float()
-    index = torch.cat([index, index.new_zeros(size - len(index))])  # The padding repeats sample 0, marked not valid.
-    data = StackDataset(image=images[index], label=labels[index], valid=valid)
-    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, drop_last=False), batch_size=None)
 
 
 def layerdrop_keep(args, epoch, step, device):
@@ -576,39 +560,37 @@ def layerdrop_keep(args, epoch, step, device):
     return torch.tensor(keep, device=device)
 
 
-# ---- logging: log lines, metrics.jsonl, TensorBoard, compiles --------------------------------------------------------
+# ---- logging: the lines, TensorBoard, compiles -----------------------------------------------------------------------
 TestResult = collections.namedtuple("TestResult", "loss accuracy samples")  # what evaluate() returns
 WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
 
 
 class Log:
-    """The master's output: a line at each log boundary, a row per step and per epoch in OUT/metrics.jsonl, and
-    TensorBoard scalars. A boundary's line shows the loss of the boundary before it, which finished long ago, so reading
-    it back does not make the loop wait for the device (with several replicas, agree() waits at each boundary)."""
+    """The master's output: a line at each log boundary and two at each epoch's end, and TensorBoard scalars. Losses
+    are read back one boundary late: those steps finished long ago, so reading them does not make the loop wait for
+    the device (with several replicas, agree() waits at each boundary anyway)."""
 
     def __init__(self, run):
         self.run = run
-        mode = "SPMD" if run.mesh is not None else "a replica each"
-        sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
-        writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
-        run.say(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
+        self.unread = []  # (step, its loss on the device), not yet read back
         self.board = None
         if run.master:
             from torch.utils.tensorboard import SummaryWriter
 
             self.board = SummaryWriter(run.out_dir)
+        mode = "SPMD" if run.mesh is not None else "a replica each"
+        sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
+        writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
+        run.say(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
         self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one, from its graph's launch.
-        self.unread = []  # (step, its loss on the device), not yet read back
-        self.losses = {}  # {step: its loss, read back}
-        self.previous = None  # the last boundary's step
+        self.previous = None  # the last boundary's step, read back at the next boundary
         self.started = None  # when step timed_from's graph launched
-        self.finished = None  # when the epoch's last step had finished on the device
         self.compiles_at_start = compiles()[0]
 
-    def is_boundary(self, step):  # Step timed_from is a log boundary too, so that its launch time is recorded.
+    def is_boundary(self, step):  # Step timed_from is a boundary too, so that its launch is timed.
         return step % self.run.args.log_steps == 0 or step in (self.timed_from, self.run.steps)
 
     def add(self, step, loss):
@@ -617,87 +599,58 @@ class Log:
             xm.add_step_closure(self.boundary, args=(step,))  # It runs once this step's graph has launched.
 
     def boundary(self, step):
-        if self.previous is not None:  # That step finished long ago: reading its loss back does not wait.
-            self.read_losses(upto=self.previous)
-            self.print_step(self.previous)
-        self.previous = step
         if step == self.timed_from:
             self.started = time.perf_counter()
+        if self.previous is not None:
+            self.read(upto=self.previous)
+        self.previous = step
 
-    def drain(self):  # Waits for the device to finish the steps launched, and reads back every loss.
-        torch_xla.sync()  # It runs this step's log closure too (if agree() has not), printing the last boundary's line.
-        self.read_losses()
+    def drain(self):  # Waits for every step launched to finish, and reads back their losses.
+        torch_xla.sync()
+        self.read()
         self.finished = time.perf_counter()
 
-    def read_losses(self, upto=None):
-        """Reads back the losses up to step `upto` (all when None), and frees them: a live tensor per step would slow
-        every graph cut a little more."""
-        rows = []
-        while self.unread and (upto is None or self.unread[0][0] <= upto):
-            step, loss = self.unread.pop(0)
-            self.losses[step] = float(loss.cpu())
-            self.run.history.append(self.losses[step])
-            rows.append(dict(epoch=self.epoch, step=step, loss=self.losses[step]))
-        self.record(rows, [("train/loss", r["loss"], (self.epoch - 1) * self.run.steps + r["step"]) for r in rows])
+    def read(self, upto=math.inf):
+        """Reads back the losses up to step `upto` into the run's history, and prints the boundaries' lines. Each loss
+        is then freed: a live tensor per step would slow every graph cut a little more."""
+        while self.unread and self.unread[0][0] <= upto:
+            step, tensor = self.unread.pop(0)
+            loss = float(tensor.cpu())
+            self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss))
+            self.scalar("train/loss", loss, step)
+            if self.is_boundary(step):
+                self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {loss:.4f}")
 
-    def print_step(self, step):
-        self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {self.losses[step]:.4f}")
-
-    def end_epoch(self, test, path):
+    def end_epoch(self, test):
+        """Prints the epoch's two lines, and returns its row for the run's epochs."""
         run = self.run
-        self.print_step(run.steps)
         rate = None
-        if run.steps > self.timed_from:  # The warm-up steps are left out.
-            seconds = self.finished - self.started  # including any --save-steps saves in between
-            rate = (run.steps - self.timed_from) * run.global_batch / seconds
+        if run.steps > self.timed_from:  # The warm-up steps are left out (the --save-steps saves are not).
+            rate = (run.steps - self.timed_from) * run.global_batch / (self.finished - self.started)
         speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
         tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
-        run.say(f"epoch {self.epoch} done | {tested} | {speed} | checkpoint {path}")
+        run.say(f"epoch {self.epoch} done | {tested} | {speed}")
         total, seconds = compiles()
         row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
-        # This process's recompiles, as the line says (run.recompiles, tested by --max-recompiles, is the most in any).
-        recompiles_here = total - run.warm_compiles
-        row.update(compiles=total - self.compiles_at_start, recompiles=recompiles_here, fallback_ops=fallback_ops())
-        counts = f"this epoch {row['compiles']} | recompiles after warm-up {recompiles_here}"
-        run.say(
-            f"epoch {self.epoch} compiles in this process | {counts} | {seconds:.1f} s compiling in all | "
-            f"CPU fallback ops: {row['fallback_ops']}"
-        )
-        x = self.epoch * run.steps
-        self.record([row], [("test/accuracy", test.accuracy, x), ("train/samples_per_s", rate or 0, x)])
+        # The recompiles of this process, as the line says (run.recompiles, tested by --max-recompiles, is the most).
+        row.update(compiles=total - self.compiles_at_start, recompiles=total - run.warm_compiles, ops=fallback_ops())
+        counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
+        compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['ops']}"
+        run.say(f"epoch {self.epoch} compiles in this process | {compiled}")
+        self.scalar("test/loss", test.loss, run.steps)
+        self.scalar("test/accuracy", test.accuracy, run.steps)
+        self.scalar("train/samples_per_s", rate or 0, run.steps)
         if self.board is not None:
-            self.board.flush()  # once an epoch: the scalars of an epoch reach the disk without a write per step
+            self.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
+        return row
 
-    def record(
-        self, rows, scalars
-    ):  # The master appends rows to metrics.jsonl, and (name, value, step) to TensorBoard.
-        if self.board is None:
-            return
-        with open(os.path.join(self.run.out_dir, "metrics.jsonl"), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        for name, value, x in scalars:
-            self.board.add_scalar(name, value, x)
+    def scalar(self, name, value, step):  # TensorBoard's x axis counts steps over every epoch.
+        if self.board is not None:
+            self.board.add_scalar(name, value, (self.epoch - 1) * self.run.steps + step)
 
     def close(self):
         if self.board is not None:
             self.board.close()
-
-
-def read_metrics(out_dir):
-    """Reads OUT/metrics.jsonl as {"history": a row per step, "epochs": a row per epoch}. A step trained twice (before
-    a kill, and again after --resume) counts once, as last trained; a line torn by a kill does not count."""
-    steps, epochs = {}, {}
-    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):  # nothing trained yet
-        return {"history": [], "epochs": []}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            with contextlib.suppress(ValueError):
-                row = json.loads(line)
-                if "loss" in row:
-                    steps[row["epoch"], row["step"]] = row
-                else:
-                    epochs[row["epoch"]] = row
-    return {"history": [steps[k] for k in sorted(steps)], "epochs": [epochs[k] for k in sorted(epochs)]}
 
 
 def compiles():  # graphs compiled in this process so far, and the seconds it took (torch_xla's metrics)
@@ -714,21 +667,19 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 
 # ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
 # A checkpoint is one dict: the model, the optimizer, the position (the epoch to train next, and the samples of it
-# trained), the settings, and the test loss and accuracy measured just before saving (None on a stop). It is named by
-# its position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save. Under
-# SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
+# trained), the settings, the history so far, and the test loss measured just before saving (None on a stop). It is
+# named by its position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save.
+# Under SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
 # perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
-# something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the saved test loss (a
-# stop saves none: it cannot wait to evaluate).
+# something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the saved test loss.
 # The RNG state is not saved: this model draws nothing at random. Save it if yours uses dropout or augmentation.
-# SETTINGS are the flags that a resumed run takes from its checkpoint, unless they are given again.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
-SETTINGS += ("layerdrop", "layerdrop_prob", "bf16")
+SETTINGS += ("layerdrop", "layerdrop_prob", "bf16")  # the flags a resumed run takes from its checkpoint, unless given
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
 def save(run, *, next_epoch, steps_done, test=None):
-    """Saves the run at its position, with the test result just measured (None on a stop). Returns the path."""
+    """Saves the run at its position, with the test loss just measured (None on a stop). Returns the path."""
     # Samples, not steps: a resume with another batch size finds no whole step and refuses, rather than start elsewhere.
     samples = steps_done * run.global_batch
     ckpt = {
@@ -738,24 +689,25 @@ def save(run, *, next_epoch, steps_done, test=None):
         "samples": samples,
         "device": run.kind,
         "test_loss": None if test is None else test.loss,
-        "accuracy": None if test is None else test.accuracy,
+        "history": run.history,
+        "epochs": run.epochs,
         "settings": {name: getattr(run.args, name) for name in SETTINGS},
     }
     path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
     if run.mesh is None:
         path += ".pt"
-        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Only the global master writes.
+        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Every replica syncs; the master writes.
     else:
         import torch.distributed.checkpoint as dcp
         import torch_xla.experimental.distributed_checkpoint as xc
 
         shutil.rmtree(path + ".tmp", ignore_errors=True)
-        with quietly():
+        with quietly():  # DCP warns that no process group is set: this one process is the whole run.
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(path + ".tmp"), planner=xc.SPMDSavePlanner())
-        shutil.rmtree(path, ignore_errors=True)  # A position saved again: os.replace cannot replace a full folder.
+        shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
     if run.master:
-        os.replace(path + ".tmp", path)  # A kill mid-write, or before this, leaves the last good checkpoints.
-        settings = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # whose they are
+        os.replace(path + ".tmp", path)  # A kill mid-write, or before this line, leaves the last whole checkpoints.
+        settings = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # and whose they are
         write_json(os.path.join(run.out_dir, "settings.json"), settings)
         for old in checkpoints(run.out_dir)[:-KEEP_CHECKPOINTS]:
             if os.path.isdir(old):
@@ -766,20 +718,18 @@ def save(run, *, next_epoch, steps_done, test=None):
 
 
 def checkpoints(folder):
-    """A run folder's complete checkpoints, in either format, the newest last. A *.tmp is still being written."""
+    """A run folder's whole checkpoints, in either format, the newest last. A *.tmp is still being written, and a DCP
+    folder is whole once its .metadata is."""
     names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and not n.endswith(".tmp")]
-    paths = [os.path.join(folder, n) for n in names if n.endswith(".pt") or is_dcp(os.path.join(folder, n))]
+    paths = [os.path.join(folder, n) for n in names]
+    paths = [p for p in paths if p.endswith(".pt") or os.path.exists(os.path.join(p, ".metadata"))]
     # Newest by write time, not by name: a run resumed from an older checkpoint goes on in the same folder.
     return sorted(paths, key=lambda p: (os.path.getmtime(p), p))
 
 
-def is_dcp(path):  # A torch.distributed.checkpoint folder is complete once its .metadata is written.
-    return os.path.exists(os.path.join(path, ".metadata"))
-
-
 def find_checkpoint(path):
     """What --resume PATH names: a checkpoint, or the newest in a run folder."""
-    if os.path.isfile(path) or is_dcp(path):
+    if os.path.isfile(path) or os.path.exists(os.path.join(path, ".metadata")):
         return path
     found = checkpoints(path) if os.path.isdir(path) else []
     if not found:
@@ -788,10 +738,10 @@ def find_checkpoint(path):
 
 
 def saved_settings(path):
-    """The settings of the run that --resume PATH continues: from the settings.json beside its checkpoint, without
-    loading the weights, when that checkpoint wrote it; else from inside the checkpoint."""
+    """The settings of the run that --resume PATH continues: from settings.json beside its checkpoint, without loading
+    the weights, when that checkpoint wrote it; else from inside the checkpoint."""
     ckpt = find_checkpoint(path)
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or damaged: the checkpoint's own
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
         with open(os.path.join(os.path.dirname(ckpt), "settings.json")) as f:
             saved = json.load(f)
         if saved["checkpoint"] == os.path.basename(ckpt):
@@ -813,7 +763,7 @@ def load_checkpoint(path):
             ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        if not {"model", "optimizer", "epoch", "samples", "settings"} <= ckpt.keys():
+        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings"} <= ckpt.keys():
             raise KeyError("not the keys of a train_tpu.py checkpoint")
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException.
         why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
@@ -840,10 +790,10 @@ def resume(run):
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
-    run.accuracy = ckpt["accuracy"]  # what finish() reports, should every epoch be done already
+    run.history = ckpt["history"]
+    run.epochs = ckpt["epochs"]
     test = verify(run, path, ckpt)
-    other_format = os.path.isdir(path) != (run.mesh is not None)  # a DCP folder without SPMD, or a file under it
-    if other_format:
+    if os.path.isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
         converted = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
         run.say(f"resume | converted, saved as {converted}")
     run.say(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
@@ -863,7 +813,7 @@ def verify(run, path, ckpt):
     test = evaluate(run)
     tol = tolerance(run, other_device=ckpt["device"])
     run.say(f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
-    if not abs(test.loss - saved) <= tol:  # (so that a NaN fails too)
+    if not abs(test.loss - saved) <= tol:  # (written so that a NaN fails too)
         raise Exit(4, f"failed: resume check: {path} gives test loss {test.loss:.6f}, and was saved at {saved:.6f}")
     return test
 
@@ -897,21 +847,25 @@ class Control:
         self.ended = None  # the Exit of a run that the launcher ended
         self.grace_ends = math.inf  # when a stop signal's grace is over
 
-    def __getstate__(self):  # A replica process gets the folder, not the launcher's handlers and timers.
+    def __getstate__(self):  # A replica process gets the folder, not the launcher's handlers and processes.
         return {"args": self.args, "out_dir": self.out_dir, "folder": self.folder}
 
-    def write(self, name, value):  # Whole or not there: another process may read it at any moment.
+    def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
 
     def read(self, prefix):  # {name: value} of the files whose names start with `prefix`, the oldest first
-        paths = [p for p in Path(self.folder).glob(prefix + "*") if p.suffix != ".tmp"]
-        return {p.name: json.loads(p.read_text()) for p in sorted(paths, key=lambda p: p.stat().st_mtime)}
+        names = [n for n in os.listdir(self.folder) if n.startswith(prefix) and not n.endswith(".tmp")]
+        paths = sorted((os.path.join(self.folder, n) for n in names), key=os.path.getmtime)
+        return {os.path.basename(p): json.load(open(p)) for p in paths}
 
     def replicas(self):  # {rank: [process id, stage]} of the replicas whose runtime started, by rank
         ranks = {int(name.removeprefix("replica-")): value for name, value in self.read("replica-").items()}
         return dict(sorted(ranks.items()))
 
     # The replicas' side.
+    def stop_signal(self):  # the number of the signal the launcher took, or 0
+        return self.read("stop").get("stop", 0)
+
     def set_stage(self, run, stage):  # The smoke deadline names the stage, should it pass.
         self.write(f"replica-{run.rank}", [os.getpid(), stage])
 
@@ -936,7 +890,7 @@ class Control:
     def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at its next boundary.
         name = signal.Signals(signum).name
         stages = {stage for _, stage in self.replicas().values()}
-        if self.read("stop"):
+        if self.stop_signal():
             self.end(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved"))
         elif stages <= {"devices"}:  # No replica trains yet (or none has even started).
             self.end(Exit(128 + signum, f"stopped by {name} before training began: nothing to save"))
@@ -993,7 +947,7 @@ def finish(run):
     """The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21)."""
     run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
     args = run.args
-    accuracy = run.accuracy or 0.0
+    accuracy = run.epochs[-1]["accuracy"]
     run.say(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
     if args.smoke:
         smoke_verdict(run)
@@ -1094,13 +1048,14 @@ def check_compilation(run):
 
 
 def check_learning(run):
-    losses = run.history
+    losses = [h["loss"] for h in run.history]
     target = run.args.target_accuracy
+    accuracy = run.epochs[-1]["accuracy"]
     k = max(1, len(losses) // 4)
     before = sum(losses[:k]) / k
     after = sum(losses[-k:]) / k
-    figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} steps), test accuracy {run.accuracy:.2f}%"
-    return after < before and run.accuracy >= target, f"{figure} (target {target:g}%)"
+    figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} steps), test accuracy {accuracy:.2f}%"
+    return after < before and accuracy >= target, f"{figure} (target {target:g}%)"
 
 
 CHECKS = (check_devices, check_numerics, check_checkpoint, check_compilation, check_learning)
@@ -1158,24 +1113,11 @@ def synthetic_digits(n, seed):
 
 
 # ---- from Python: the results back in the caller ---------------------------------------------------------------------
-def fit(**flags):
-    """The command line as a call: fit(cores=1, data="synthetic", epochs=2) trains, and returns the final model (on the
-    host), its history per step and per epoch, and with smoke=True the verdict. It raises Exit where main() would
-    exit non-zero (a bug in a replica in this process, its own exception), except for a failed smoke verdict, which
-    comes back in .verdict. With a replica in this process
-    (--cores 1, --spmd), run control ends the process when it must end the run at once: a second signal, a smoke
-    deadline, a stop's grace over."""
-    argv = []
-    for name, value in flags.items():
-        flag = name.replace("_", "-")
-        if value is None or (value is False and name not in SETTINGS):
-            continue  # left out, or a switch left off (a saved one, bf16, becomes --no-bf16 below)
-        if value is True:
-            argv.append(f"--{flag}")
-        elif value is False:
-            argv.append(f"--no-{flag}")  # --no-bf16: a resumed run would otherwise take --bf16 from its settings
-        else:
-            argv += [f"--{flag}", value]
+def fit(*argv):
+    """The command line as a call: fit("--cores", 1, "--smoke") trains as main() would, and returns the last
+    checkpoint's model (on the host; None if none was saved), history and epochs, and the smoke verdict, if any. It
+    raises Exit where main() would exit non-zero, but for a failed verdict, which comes back in .verdict. With the
+    replica in this process (--cores 1, --spmd), run control ends the process where it must end the run at once."""
     args = parse_args(argv)
     kind, out_dir = prepare(args)
     try:
@@ -1184,15 +1126,17 @@ def fit(**flags):
         if e.code != 5:
             raise
     found = checkpoints(out_dir)  # none if a smoke deadline passed before the first
-    model = None
+    r = argparse.Namespace(model=None, history=[], epochs=[], verdict=None, out_dir=out_dir)
     if found:
-        model = build_model(args)
-        model.load_state_dict(load_checkpoint(found[-1])["model"])
-    verdict = None
+        ckpt = load_checkpoint(found[-1])
+        r.model = build_model(args)
+        r.model.load_state_dict(ckpt["model"])
+        r.history = ckpt["history"]
+        r.epochs = ckpt["epochs"]
     if args.smoke:
         with open(os.path.join(out_dir, "verdict.json")) as f:
-            verdict = json.load(f)
-    return argparse.Namespace(model=model, out_dir=out_dir, verdict=verdict, **read_metrics(out_dir))
+            r.verdict = json.load(f)
+    return r
 
 
 if __name__ == "__main__":
