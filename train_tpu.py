@@ -40,17 +40,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, StackDataset
+from torch.utils.tensorboard import SummaryWriter
 
 USER_DEVICE = os.environ.get("PJRT_DEVICE")  # the user's choice, read before `import torch_xla` sets a default
 XLA_IMPORT_ERROR = None
 try:
+    import torch.distributed.checkpoint as dcp
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.distributed.spmd as xs
     import torch_xla.distributed.xla_multiprocessing as xmp
+    import torch_xla.experimental.distributed_checkpoint as xc
     import torch_xla.runtime as xr
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch_xla._internal import tpu
 except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an unreachable metadata server
     XLA_IMPORT_ERROR = e
@@ -308,7 +312,13 @@ def train(run):
             skip = 0
     finally:
         run.log.close()  # TensorBoard writes its last scalars, on a stop too.
-    finish(run)  # The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21).
+    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
+    accuracy = run.epochs[-1]["accuracy"]
+    run.say(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
+    if args.smoke:
+        smoke_verdict(run)  # exit 5 if a check fails
+    elif accuracy < args.target_accuracy:
+        raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
@@ -415,8 +425,7 @@ def agree(run, values):
 
 # ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
 def prepare(args):
-    """Everything that can be refused before any device starts (xmp.spawn refuses to run once a device has started).
-    Returns the device kind and the run folder."""
+    """Refuses what it can before any device starts, as xmp.spawn cannot start once one has. Returns (kind, folder)."""
     kind, hosts, cores = check_environment(args)
     if args.spmd and kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
@@ -502,8 +511,7 @@ def start_replica(args, kind, out_dir, control):
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
 class Exit(Exception):
-    """Ends a run with an exit code and one line: 1 a bug or a lost replica, 2 bad input ("error: ..."), 3 recompiles,
-    4 a failed resume check, 5 a smoke FAIL, 21 low accuracy, 128 + n signal n. The replicas raise it only where every
+    """Ends a run with an exit code and one line (README.md lists the codes). The replicas raise it only where every
     replica raises it, with the same code."""
 
     def __init__(self, code, line):
@@ -568,16 +576,12 @@ WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so sa
 class Log:
     """The master's output: a line at each log boundary and two at each epoch's end, and TensorBoard scalars. Losses
     are read back one boundary late: those steps finished long ago, so reading them does not make the loop wait for
-    the device (with several replicas, agree() waits at each boundary anyway)."""
+    the device."""
 
     def __init__(self, run):
         self.run = run
         self.unread = []  # (step, its loss on the device), not yet read back
-        self.board = None
-        if run.master:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.board = SummaryWriter(run.out_dir)
+        self.board = SummaryWriter(run.out_dir) if run.master else None  # TensorBoard's scalars, in the run folder
         mode = "SPMD" if run.mesh is not None else "a replica each"
         sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
         writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
@@ -585,25 +589,23 @@ class Log:
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
-        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one, from its graph's launch.
-        self.previous = None  # the last boundary's step, read back at the next boundary
+        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one.
         self.started = None  # when step timed_from's graph launched
+        self.previous = skip  # the last boundary's step
         self.compiles_at_start = compiles()[0]
 
-    def is_boundary(self, step):  # Step timed_from is a boundary too, so that its launch is timed.
-        return step % self.run.args.log_steps == 0 or step in (self.timed_from, self.run.steps)
+    def is_boundary(self, step):
+        return step % self.run.args.log_steps == 0 or step == self.run.steps
 
     def add(self, step, loss):
+        """Called after each step is traced. MpDeviceLoader launched the steps before it when it handed out this batch,
+        so the clock starts here, and the last boundary's steps have long finished."""
+        if step == self.timed_from + 1:
+            self.started = time.perf_counter()
         self.unread.append((step, loss))
         if self.is_boundary(step):
-            xm.add_step_closure(self.boundary, args=(step,))  # It runs once this step's graph has launched.
-
-    def boundary(self, step):
-        if step == self.timed_from:
-            self.started = time.perf_counter()
-        if self.previous is not None:
             self.read(upto=self.previous)
-        self.previous = step
+            self.previous = step
 
     def drain(self):  # Waits for every step launched to finish, and reads back their losses.
         torch_xla.sync()
@@ -637,9 +639,8 @@ class Log:
         counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
         compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['ops']}"
         run.say(f"epoch {self.epoch} compiles in this process | {compiled}")
-        self.scalar("test/loss", test.loss, run.steps)
-        self.scalar("test/accuracy", test.accuracy, run.steps)
-        self.scalar("train/samples_per_s", rate or 0, run.steps)
+        for name, value in (("test/loss", test.loss), ("test/accuracy", test.accuracy), ("train/samples_per_s", rate)):
+            self.scalar(name, value or 0, run.steps)
         if self.board is not None:
             self.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
         return row
@@ -698,9 +699,6 @@ def save(run, *, next_epoch, steps_done, test=None):
         path += ".pt"
         xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Every replica syncs; the master writes.
     else:
-        import torch.distributed.checkpoint as dcp
-        import torch_xla.experimental.distributed_checkpoint as xc
-
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         with quietly():  # DCP warns that no process group is set: this one process is the whole run.
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(path + ".tmp"), planner=xc.SPMDSavePlanner())
@@ -751,9 +749,6 @@ def saved_settings(path):
 
 def load_checkpoint(path):
     """Reads a checkpoint in either format as the one dict that torch.load gives for a file."""
-    from torch.distributed.checkpoint import CheckpointException
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     try:
         if os.path.isdir(path):
             with tempfile.TemporaryDirectory() as tmp, quietly():
@@ -765,7 +760,7 @@ def load_checkpoint(path):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
         if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings"} <= ckpt.keys():
             raise KeyError("not the keys of a train_tpu.py checkpoint")
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException.
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
         why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
         raise Exit(2, f"error: checkpoint {path}: {why}") from None
     return ckpt
@@ -911,7 +906,7 @@ class Control:
                 elif time.monotonic() > self.grace_ends and "training" in stages:
                     self.end(self.grace_over)
                 elif time.monotonic() > self.deadline and "done" not in stages and os.path.isdir(self.folder):
-                    deadline_passed(self)
+                    self.deadline_passed(stages[0] if stages else "devices")
                 time.sleep(0.5)
 
     def why_replicas_ended(self):  # An Exit, or None. A dead process comes first: a survivor's error only follows it.
@@ -934,6 +929,11 @@ class Control:
         for child in children:
             child.kill()
 
+    def deadline_passed(self, stage):  # --smoke-timeout: the stage of the lowest rank FAILs.
+        line = f"{stage} did not finish within --smoke-timeout"
+        publish(self.out_dir, [dict(name=stage, passed=False, figure=f"{line} {self.args.smoke_timeout:g} s")])
+        self.end(Exit(5, f"failed: smoke verdict FAIL: {line}"))
+
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
         if self.ended is None:  # xmp.spawn raised before the watch looked.
             self.ended = self.why_replicas_ended()
@@ -942,19 +942,7 @@ class Control:
         return self.ended
 
 
-# ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
-def finish(run):
-    """The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21)."""
-    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
-    args = run.args
-    accuracy = run.epochs[-1]["accuracy"]
-    run.say(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
-    if args.smoke:
-        smoke_verdict(run)
-    elif accuracy < args.target_accuracy:
-        raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
-
-
+# ---- the smoke verdict: is this machine fit to train on? ------------------------------------------------------------
 def smoke_verdict(run):
     """Runs the checks in CHECKS, each a PASS (True), FAIL (False) or SKIP (None) with its figure. A check FAILs if it
     failed on any replica. Exits 5 if one FAILs."""
@@ -1059,14 +1047,6 @@ def check_learning(run):
 
 
 CHECKS = (check_devices, check_numerics, check_checkpoint, check_compilation, check_learning)
-
-
-def deadline_passed(control):  # --smoke-timeout, timed by the launcher: the stage FAILs (the lowest rank's).
-    stages = [stage for _, stage in control.replicas().values()]
-    stage = stages[0] if stages else "devices"
-    line = f"{stage} did not finish within --smoke-timeout"
-    publish(control.out_dir, [dict(name=stage, passed=False, figure=f"{line} {control.args.smoke_timeout:g} s")])
-    control.end(Exit(5, f"failed: smoke verdict FAIL: {line}"))
 
 
 def publish(out_dir, checks):
