@@ -47,7 +47,9 @@ STRAIGHT = [
     "--seed",
     3,
 ]
-LAYERDROP = [
+LAYERDROP = [  # --layerdrop-prob 0.9: small graphs, which compile quickly
+    "--layerdrop-prob",
+    0.9,
     "--cores",
     1,
     "--data",
@@ -250,6 +252,41 @@ def world(root, kind, *argv, patch="", when=None, delay=0, timeout=300):
     return group([sys.executable, "-u", str(launcher), *map(str, argv)], root, when, environ, timeout, delay)
 
 
+def orphans(root):
+    """kill -9 to the launcher alone, once both replica processes have started libtpu, then SIGTERM to its group (as a
+    user would send it): the seconds until every process of the group has ended, or None after 20 s."""
+    (root / "orphans.py").write_text(WORLD)  # (its own copy: the world() runs may be reading world.py)
+    environ = env(WORLD="processes", WORLD_STORE=root / "store-orphans", ALLOW_MULTIPLE_LIBTPU_LOAD=1)
+    command = [sys.executable, "-u", str(root / "orphans.py"), "--data", "synthetic", "--out-dir", "orphans"]
+    p = subprocess.Popen(
+        command,
+        cwd=root,
+        env={**environ, "TPU_SKIP_MDS_QUERY": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    started = set()
+    for line in p.stdout:
+        if line.startswith("WORLD replica process ") and "libtpu started" in line:
+            started.add(line.split()[3])
+        if len(started) == 2:
+            break
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    sent = time.monotonic()
+    os.killpg(p.pid, signal.SIGTERM)
+    for _ in range(100):
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            return time.monotonic() - sent
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)
+    return None
+
+
 def group(command, cwd, when, environ, timeout=300, delay=0):
     """(exit code, stdout, stderr, whether a process of the group outlived the launcher, seconds from a line "FAULT" to
     the launcher's exit or None)."""
@@ -340,6 +377,7 @@ TWO_KILLED = (
     "--data synthetic --epochs 2 --steps-per-epoch 15 --batch-size 32 --log-steps 5 --save-steps 5 --out-dir two-killed"
 )
 TWO_RECOMPILES = "--data synthetic --epochs 3 --steps-per-epoch 3 --batch-size 32 --layerdrop dynamic --seed 2 "
+TWO_RECOMPILES += "--layerdrop-prob 0.9 "
 TWO_RECOMPILES += "--max-recompiles 0 --out-dir two-recompiles"
 REPLICA_1_NUMERICS = """
 real_numerics = tt.check_numerics
@@ -475,6 +513,7 @@ def started(tmp_path_factory):
             "epoch 1 step 10/",
             env(),
         ),
+        "orphans": lambda: orphans(root),
     }
     only = os.environ.get("RUNS_ONLY", ",".join(jobs)).split(",")  # when working on one property
     with ThreadPoolExecutor(max_workers=3) as pool:  # on 2 cores: imports and signals leave some idle
@@ -865,6 +904,23 @@ def test_the_smoke_deadline_spares_a_run_whose_verdict_is_out(monkeypatch, tmp_p
         assert passed and passed[0] == (control, "learning")  # (the real one ends this process)
 
 
+def test_a_stop_signal_during_the_devices_check_is_not_one_before_training(monkeypatch, tmp_path):
+    """The smoke verdict's first check is named "devices": a stop signal then must not end the run as if untrained."""
+    ended = []
+    monkeypatch.setattr(tt.Control, "end", lambda control, e: ended.append(e.line))  # (the real one ends this process)
+    control = tt.Control(tt.parse_args([]), str(tmp_path))
+    replica = types.SimpleNamespace(rank=0)
+    control.set_stage(replica, "setup")
+    control.on_signal(signal.SIGTERM, None)
+    assert ended == ["stopped by SIGTERM before training began: nothing to save"] and control.stop_signal() == 0
+    ended.clear()
+    control.set_stage(replica, tt.CHECKS[0].__name__.removeprefix("check_"))
+    control.on_signal(signal.SIGTERM, None)
+    assert (
+        ended == [] and control.stop_signal() == signal.SIGTERM
+    )  # asked to stop; past its last checkpoint, it finishes
+
+
 def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings_as_they_were():
     """TPU v2/v3: two replica threads share sys.stdout and the warnings filters. Forced order: A enters, B tries to
     enter while A is inside, then A leaves, then B."""
@@ -975,14 +1031,16 @@ def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(
         dict(model={"w": torch.zeros(1)}, optimizer={}, epoch=2, samples=0, history=[], epochs=[], settings={}), path
     )
     run = types.SimpleNamespace(args=tt.parse_args(["--resume", str(path)]), model=tt.ToyModel())
-    with pytest.raises(tt.Exit, match=r"its model is not this run's: Error\(s\) in loading state_dict for ToyModel: "):
+    with pytest.raises(
+        tt.Exit, match=r"its model or optimizer is not this run's: Error\(s\) in loading state_dict for ToyModel: "
+    ):
         tt.resume(run)
 
     def one_line(state):
         raise RuntimeError("one line")
 
     monkeypatch.setattr(run.model, "load_state_dict", one_line)
-    with pytest.raises(tt.Exit, match="its model is not this run's: one line$"):
+    with pytest.raises(tt.Exit, match="its model or optimizer is not this run's: one line$"):
         tt.resume(run)
 
 
@@ -1405,20 +1463,18 @@ def test_a_stalled_stage_fails_by_name_once_at_the_deadline_and_no_replica_proce
     verdict = json.loads((runs["root"] / "two-stall" / "verdict.json").read_text())
     assert verdict == {
         "passed": False,
-        "checks": [dict(name="devices", passed=False, figure="devices did not finish within --smoke-timeout 5 s")],
+        "checks": [dict(name="setup", passed=False, figure="setup did not finish within --smoke-timeout 5 s")],
     }
-    assert out.count("  FAIL  devices") == 1 and err.count("did not finish") == 1
-    assert (
-        last_line_of(err) == "train_tpu.py: failed: smoke verdict FAIL: devices did not finish within --smoke-timeout"
-    )
+    assert out.count("  FAIL  setup") == 1 and err.count("did not finish") == 1
+    assert last_line_of(err) == "train_tpu.py: failed: smoke verdict FAIL: setup did not finish within --smoke-timeout"
 
 
 def test_a_stalled_replica_in_the_launchers_own_process_ends_it_at_the_deadline(runs):
     r = runs["stall"]
     assert r.returncode == 5 and last_line(r) == (
-        "train_tpu.py: failed: smoke verdict FAIL: devices did not finish within --smoke-timeout"
+        "train_tpu.py: failed: smoke verdict FAIL: setup did not finish within --smoke-timeout"
     )
-    assert "  FAIL  devices      devices did not finish within --smoke-timeout 4 s\nsmoke verdict: FAIL" in r.stdout
+    assert "  FAIL  setup        setup did not finish within --smoke-timeout 4 s\nsmoke verdict: FAIL" in r.stdout
     assert json.loads((runs["root"] / "stall" / "verdict.json").read_text())["passed"] is False
 
 
@@ -1445,6 +1501,11 @@ def test_sigterm_to_the_group_while_replica_processes_import_torch_is_a_stop_wit
     assert code == 143 and not left, err[-3000:]
     assert last_line_of(err) == "train_tpu.py: stopped by SIGTERM before training began: nothing to save"
     assert "step" not in out and "checkpoint" not in " ".join(os.listdir(runs["root"] / "startup"))
+
+
+def test_replica_processes_whose_launcher_was_killed_end_on_sigterm_instead_of_holding_their_chips(runs):
+    seconds = runs["orphans"]
+    assert seconds is not None and seconds < 10  # (while the launcher lives, the same handler ignores the signal)
 
 
 def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(runs):

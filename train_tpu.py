@@ -1,6 +1,5 @@
-"""train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN on MNIST on every TPU core (xmp.spawn), or
-from one process that shards each batch over every device (--spmd), and it is the smoke test of a new TPU VM. The
-training path reads first, top to bottom; the instruments it calls follow it. README.md tells the rest.
+"""train_tpu.py: the reference PyTorch/XLA trainer, and the smoke test of a new TPU VM. It trains a small CNN on MNIST
+on every TPU core (xmp.spawn), or from one process that shards each batch over every device (--spmd). See README.md.
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 5 if not
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
@@ -8,14 +7,21 @@ training path reads first, top to bottom; the instruments it calls follow it. RE
 """
 
 import multiprocessing
+import os
 import signal
 
 # A preemption sends SIGTERM to every process, but only the launcher acts on it: it tells the replicas to save and stop.
-# So xmp.spawn's replica processes, which import this file first, give SIGTERM and SIGINT a handler that does nothing,
-# before the slow imports below. Not SIG_IGN: libtpu replaces an ignored signal with one that kills (pytorch/xla#8234).
+# So xmp.spawn's replica processes, which import this file first, set a handler that ignores it while the launcher
+# lives, before the slow imports below. Not SIG_IGN: libtpu replaces that with a handler that kills (pytorch/xla#8234).
 if multiprocessing.current_process().name != "MainProcess":
+    launcher = os.getppid()
+
+    def on_stop_signal(signum, frame):
+        if os.getppid() != launcher:
+            os._exit(128 + signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: None)
+        signal.signal(signum, on_stop_signal)
 # ruff: noqa: E402 (the imports follow those statements on purpose)
 
 import argparse
@@ -25,7 +31,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -36,16 +41,16 @@ import warnings
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, StackDataset
 from torch.utils.tensorboard import SummaryWriter
 
-USER_DEVICE = os.environ.get("PJRT_DEVICE")  # the user's choice, read before `import torch_xla` sets a default
+USER_DEVICE = os.environ.get("PJRT_DEVICE")  # PJRT_DEVICE as the user set it: `import torch_xla` sets it if unset.
 XLA_IMPORT_ERROR = None
 try:
-    import torch.distributed.checkpoint as dcp
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
@@ -54,27 +59,15 @@ try:
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.experimental.distributed_checkpoint as xc
     import torch_xla.runtime as xr
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch_xla._internal import tpu
 except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an unreachable metadata server
     XLA_IMPORT_ERROR = e
 
-SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # --smoke's presets
-
 
 # ---- flags -----------------------------------------------------------------------------------------------------------
-RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
-    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
-    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
-    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
-    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
-    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
-)
-
-
 def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() passes numbers too
-    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() may pass numbers.
+    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # argparse's; see Exit
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
@@ -87,39 +80,36 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffles and layerdrop's coins")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bfloat16 training forward")
     p.add_argument("--target-accuracy", type=float, default=0.0, help="exit 21 if the final accuracy (%%) is below")
-    # The article's lesson: a model whose graph changes from step to step recompiles; one that decides on the device
-    # does not.
+    # Layerdrop, from the article "Training PyTorch on Cloud TPUs": a graph that changes from step to step recompiles.
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
-    p.add_argument("--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more compile after epoch 1")
+    p.add_argument(
+        "--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more graphs compile after the first epoch"
+    )
     p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {SMOKE}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
-    p.add_argument("--log-steps", type=int, default=20, help="log every N steps (and each epoch's 2nd, which times it)")
+    p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
     if "--smoke" in argv:
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
-    if args.smoke and args.resume:
-        p.error("--smoke checks a fresh run: leave out --resume")
-    for names, rule, ok in RANGES:
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not ok(value):
-                p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
-    if args.resume:  # The saved settings become the defaults, so that the flags given now still win.
+    check_flags(p, args)  # Each value in its range, and no --resume with --smoke.
+    if args.resume:  # Parse again, with the saved settings as the defaults: the flags given still win.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
     return args
 
 
 # ---- data: your own goes here (edit 1 of 2) --------------------------------------------------------------------------
-def load_split(args, train):
+def load_split(args, train, download=False):
     """One split as in-memory tensors: uint8 images (N, 1, 28, 28) and labels (N,)."""
     if args.data == "synthetic":
         return synthetic_digits(30_000 if train else 5_000, seed=1235 if train else 1234)
-    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=False)
+    import torchvision  # Here, not at the top: it adds a second to every process's start.
+
+    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=download)
     return mnist.data.unsqueeze(1), mnist.targets  # Read once: no PIL image and no transform per sample.
 
 
@@ -136,7 +126,7 @@ def prepare_data(args):  # Once, before any replica starts, so that replicas nev
     try:
         with quietly():  # torchvision prints every attempt.
             for train in (True, False):
-                torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
+                load_split(args, train, download=True)
     except Exception as e:
         why = f"MNIST is not in --data-dir {args.data_dir}, and its download failed ({type(e).__name__})"
         raise Exit(2, f"error: {why}: copy it there, or use --data synthetic") from e
@@ -165,7 +155,7 @@ class ToyModel(nn.Module):
         x = self.fc1(torch.flatten(x, 1))
         if self.layerdrop == "off":
             return x
-        for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs.
+        for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None means evaluation.
             if keep is None:  # Evaluation runs every application, as LayerDrop does at inference.
                 x = self.fc2(x)
             elif self.layerdrop == "dynamic":  # Python bools shape the graph: one graph per number of applications.
@@ -185,35 +175,22 @@ def train_loader(run, images, labels):
     """This replica's shard of the training set in whole batches (so every step has one shape), and its sampler."""
     data = StackDataset(image=images, label=labels)
     shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
-    # batch_size=None hands each BatchSampler item, a list of indices, to the dataset whole: one indexing per batch.
+    # The sampler yields a batch of indices at once, and batch_size=None hands it to the dataset whole: one indexing.
     return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None), shard
-
-
-def test_loader(run, images, labels):
-    """This replica's share of the test set, padded with samples marked valid=0, so that every replica runs the same
-    number of batches of one shape and each test sample counts exactly once over the replicas."""
-    index = torch.arange(run.rank, len(labels), run.world)  # every world-th sample, from this replica's rank
-    share = math.ceil(len(labels) / run.world)  # the largest share of any replica
-    size = math.ceil(share / run.load_batch) * run.load_batch  # rounded up to whole batches
-    valid = (torch.arange(size) < len(index)).float()
-    index = torch.cat([index, index.new_zeros(size - len(index))])  # The padding repeats sample 0.
-    data = StackDataset(image=images[index], label=labels[index], valid=valid)
-    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, drop_last=False), batch_size=None)
 
 
 def on_device(run, loader, skip=0, stop=None):
     """Batches `skip` to `stop` of the loader, on the device. MpDeviceLoader copies the next batch while a step runs,
     and cuts the step's graph when it hands out a batch. Under SPMD it shards each field (docs: perf/spmd_advanced)."""
     spec = None
-    if run.mesh is not None:  # Each field is split along its first axis, the batch, and replicated along the rest.
-        fields = loader.dataset.datasets.items()  # StackDataset keeps its fields in .datasets.
+    if run.mesh is not None:  # Each field is split along its first axis (the batch) and replicated along the others.
+        fields = loader.dataset.datasets.items()  # StackDataset keeps its fields, {name: tensor}, in .datasets.
         spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
     return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
 
 
 # ---- the step and evaluation -----------------------------------------------------------------------------------------
-def train_step(run, batch, keep):
-    """One step, traced lazily: nothing runs on the device until MpDeviceLoader cuts the graph."""
+def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device until MpDeviceLoader cuts the graph.
     run.optimizer.zero_grad()
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=run.args.bf16):  # --bf16 (docs: perf/amp)
         x = model_input(batch["image"])
@@ -257,7 +234,7 @@ class Run:
     device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
     rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes (rank 0): the one master test
+    master: bool = True  # whether this replica prints and writes files (rank 0); the file's only test of it
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
     global_batch: int = 0  # samples per step, over every device
@@ -270,7 +247,7 @@ class Run:
     history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per step, saved with each checkpoint
     epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
     warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
-    recompiles: int = 0  # graphs compiled after the warm-up: the most in any replica's process
+    recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
 
     def say(self, line):  # The master prints, flushed at once: os._exit would drop a replica process's buffer.
         if self.master:
@@ -278,20 +255,19 @@ class Run:
 
 
 def train_epoch(run, loader, epoch, skip):
-    """The epoch's steps after the first `skip`, which a resumed run has done already."""
+    """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint."""
     run.log.start_epoch(epoch, skip)
-    step = skip  # (for the check below, should the loop run no step)
+    step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
     for step, batch in enumerate(on_device(run, loader, skip=skip, stop=run.steps), start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
         run.log.add(step, loss)
-        # At each log boundary: stop if a signal came, save if one is due. The epoch's last step also evaluates.
-        checkpoint_or_stop(run, epoch, step)
+        checkpoint_or_stop(run, epoch, step)  # At log boundaries: stop if a signal came, save if --save-steps is due.
     if step != run.steps:  # MpDeviceLoader ends an epoch quietly when the DataLoader fails.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
+    end_epoch(run, epoch)  # It evaluates, logs and saves the epoch, and then stops if a signal came.
 
 
-def train(run):
-    """One replica's run: the model, the data, then the epochs."""
+def train(run):  # One replica's run: the model, the data, then the epochs.
     args = run.args
     run.model = initial_model(args).to(run.device)  # The weights come from --seed alone.
     broadcast_weights(run)  # The master's weights, to every replica, should a model's initialisation ignore the seed.
@@ -303,8 +279,8 @@ def train(run):
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
-    first_epoch, skip = resume(run)  # (1, 0) for a fresh run. A resumed one is checked, and converted if need be.
-    run.control.set_stage(run, "training")  # From now on a stop signal saves at the next log boundary.
+    first_epoch, skip = resume(run)  # (1, 0) if fresh. A resumed run is checked against its saved test loss.
+    run.control.set_stage(run, "training")  # The launcher's stop signal now saves at a boundary, not ends at once.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
             sampler.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
@@ -312,30 +288,23 @@ def train(run):
             skip = 0
     finally:
         run.log.close()  # TensorBoard writes its last scalars, on a stop too.
-    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
-    accuracy = run.epochs[-1]["accuracy"]
-    run.say(f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
-    if args.smoke:
-        smoke_verdict(run)  # exit 5 if a check fails
-    elif accuracy < args.target_accuracy:
-        raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
+    finish(run)  # The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21).
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
-def launch(args, kind, out_dir):
-    """Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit."""
+def launch(args, kind, out_dir):  # Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit.
     with Control(args, out_dir) as control:  # run control: stop signals, a replica that dies, the smoke deadline
         try:
-            if args.spmd:
-                train(start_replica(args, kind, out_dir, control))
-            else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
+            if not args.spmd:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
                 xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
+            else:
+                train(start_replica(args, kind, out_dir, control))
         except Exit:
-            raise  # Every replica raised it at the same point.
-        except Exception as e:  # The launcher ended the run, a replica died or failed, or a runtime did not start.
-            ended = control.exit_for(e, kind)
+            raise  # Every replica raised it at the same point, and the launcher passes it on.
+        except Exception as e:  # The launcher ended the run, a replica died or failed alone, or no runtime started.
+            ended = control.exit_for(e, kind)  # the Exit that says which, or None for a bug in the only replica
             if ended is None:
-                raise  # A bug in the only replica: main() prints its traceback.
+                raise  # main() prints the bug's traceback.
             raise ended from e
 
 
@@ -343,9 +312,13 @@ def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, onc
     run = start_replica(args, kind, out_dir, control)
     try:
         train(run)
-    except Exception as e:  # Any error but an agreed Exit may be this replica's alone, and the others would wait.
-        if run.world > 1 and (not isinstance(e, Exit) or e.code == 2):  # Exit 2 is bad input, found before training.
-            control.fail_alone(run, e)  # The launcher ends every replica.
+    except Exception as e:
+        # An Exit 3, 4, 5, 21 or a stop is agreed: every replica raises it at the same point. Any other error, or an
+        # Exit 2 (bad input, such as a checkpoint that only this replica cannot read), may be this replica's alone,
+        # while the others wait for it in their next collective: the launcher must end them all.
+        alone = not isinstance(e, Exit) or e.code == 2
+        if run.world > 1 and alone:
+            control.fail_alone(run, e)
         raise
 
 
@@ -367,50 +340,54 @@ def main(argv=None):
 # ==== the instruments, each called by name from the training path above ===============================================
 
 
-# ---- at each log boundary: the stop agreement, the saves that are due, the epoch's end -------------------------------
+# ---- at log boundaries and the epoch's end: the stop agreement and the saves ----------------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """Called after every step. At each log boundary and each --save-steps step, the replicas agree whether to stop,
-    and then it saves what is due. A stop exits 128 + the signal's number."""
-    args = run.args
-    saving = args.save_steps is not None and step % args.save_steps == 0
+    """Called after every step of an epoch but its last. At each log boundary and --save-steps step, the replicas agree
+    whether the launcher took a stop signal. A stop saves at once and exits; a --save-steps step evaluates and saves."""
+    if step == run.steps:
+        return  # end_epoch() saves the epoch's end.
+    saving = run.args.save_steps is not None and step % run.args.save_steps == 0
     if not saving and not run.log.is_boundary(step):
         return  # Between boundaries nothing waits for the device.
-    recompiles = 0
-    if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here.
-        recompiles = compiles()[0] - run.warm_compiles
-    # The launcher's stop signal (0 if none) and our recompiles travel in one all-reduce, of the same shape at every
-    # boundary, so that it compiles once, in the warm-up. Each comes back as the largest over the replicas.
-    signum, most_recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
-    epoch_ends = step == run.steps
-    if epoch_ends or signum or saving:
-        run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it trained.
-    if epoch_ends:  # Evaluate, save and log the epoch; then stop if asked, unless it was the last epoch.
-        end_epoch(run, epoch, most_recompiles)
-        if epoch == args.epochs:
-            return
-    elif signum:  # Mid-epoch, save at once, without evaluating: the grace before a forced exit is short.
-        save(run, next_epoch=epoch, steps_done=step)
-    elif saving:
-        save(run, next_epoch=epoch, steps_done=step, test=evaluate(run))
+    signum = int(agree(run, [run.control.stop_signal(), 0])[0])  # the same all-reduce as in end_epoch()
     if signum:
-        run.control.set_stage(run, "stopping")  # Saved: the launcher's grace no longer applies.
-        at = f"epoch {epoch + 1} step 0" if epoch_ends else f"epoch {epoch} step {step}"  # where --resume goes on
-        why = f"stopped by {signal.Signals(signum).name} at {at}"
-        raise Exit(128 + signum, f"{why}, checkpoint saved: continue with --resume {run.out_dir}")
+        run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it trained.
+        save(run, next_epoch=epoch, steps_done=step)  # No evaluation: the grace before a forced exit is short.
+        stop(run, signum, f"epoch {epoch} step {step}")
+    if saving:
+        run.log.drain()
+        save(run, next_epoch=epoch, steps_done=step, test=evaluate(run))
 
 
-def end_epoch(run, epoch, recompiles):
-    """Evaluates, logs and saves the epoch. Exits 3 past --max-recompiles (--smoke reports it as a check instead)."""
+def end_epoch(run, epoch):
+    """After the epoch's last step: the replicas agree whether to stop; then it evaluates, logs and saves the epoch.
+    Exits 3 past --max-recompiles (--smoke reports it as a check instead); stops if a signal came, but for the last
+    epoch, which lets the run finish."""
+    recompiles = 0
+    if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
+        recompiles = compiles()[0] - run.warm_compiles
+    # The stop signal (0 if none) and the recompiles travel in one all-reduce, of the same shape as at every boundary,
+    # so that it compiles once. Each comes back as the largest over the replicas.
+    signum, most_recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
+    run.recompiles = most_recompiles
+    run.log.drain()
     test = evaluate(run)
     if run.warm_compiles is None:
-        run.warm_compiles = compiles()[0]  # The first epoch trained here is the warm-up.
-    run.recompiles = recompiles
+        run.warm_compiles = compiles()[0]  # counted after the first evaluation, whose graph is part of the warm-up
     run.epochs.append(run.log.end_epoch(test))
     save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     limit = run.args.max_recompiles
-    if limit is not None and recompiles > limit and not run.args.smoke:
-        why = f"{recompiles} graphs compiled after warm-up (the first epoch trained here)"
+    if limit is not None and most_recompiles > limit and not run.args.smoke:
+        why = f"{most_recompiles} graphs compiled after warm-up (the first epoch trained here)"
         raise Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
+    if signum and epoch < run.args.epochs:
+        stop(run, signum, f"epoch {epoch + 1} step 0")
+
+
+def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + the signal's number.
+    run.control.set_stage(run, "stopping")  # Saved: the launcher's grace no longer applies.
+    why = f"stopped by {signal.Signals(signum).name} at {where}, checkpoint saved"
+    raise Exit(128 + signum, f"{why}: continue with --resume {run.out_dir}")
 
 
 def agree(run, values):
@@ -419,7 +396,7 @@ def agree(run, values):
     values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
     if run.world == 1:
         return values
-    torch_xla.sync()  # It cuts the step's graph where MpDeviceLoader would, so that the step's graph stays the same.
+    torch_xla.sync()  # It launches the pending step first, as MpDeviceLoader would: the step's graph stays the same.
     return xm.all_reduce(xm.REDUCE_MAX, values.to(run.device)).cpu()
 
 
@@ -434,6 +411,25 @@ def prepare(args):
     return kind, out_dir
 
 
+RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
+    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
+    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
+    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
+    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
+    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
+)
+
+
+def check_flags(p, args):
+    if args.smoke and args.resume:
+        p.error("--smoke checks a fresh run: leave out --resume")
+    for names, rule, ok in RANGES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
+
+
 def check_environment(args):
     """Returns (device kind, hosts, cores to train on). Nothing here starts the runtime."""
     if XLA_IMPORT_ERROR is not None:
@@ -446,7 +442,7 @@ def check_environment(args):
         raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
     chips = tpu.num_available_chips()  # It reads the PCI bus, without starting the runtime.
     # On a TPU VM with no PJRT_DEVICE given, torch_xla's import chose the CPU if it found no libtpu (its __init__.py).
-    if chips and USER_DEVICE is None and not torch_xla._found_libtpu:
+    if chips and USER_DEVICE is None and not torch_xla._found_libtpu:  # (private: its only record of that choice)
         raise Exit(2, "error: this TPU VM's torch_xla has no libtpu: pip install 'torch_xla[tpu]'")
     kind = os.environ.get("PJRT_DEVICE", "unset")  # the user's, or what torch_xla's import chose
     if kind not in ("TPU", "CPU") or (kind == "TPU" and not chips):
@@ -505,7 +501,7 @@ def start_replica(args, kind, out_dir, control):
         run.devices = run.world
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
-    control.set_stage(run, "devices")  # The launcher now knows this replica's process, and that its runtime started.
+    control.set_stage(run, "setup")  # The launcher now knows this replica's process, and that its runtime started.
     return run
 
 
@@ -515,7 +511,7 @@ class Exit(Exception):
     replica raises it, with the same code."""
 
     def __init__(self, code, line):
-        super().__init__(code, line)  # The args pickle: xmp.spawn hands an Exit from a replica process to the launcher.
+        super().__init__(code, line)  # An exception pickles as its args: xmp.spawn pickles a replica process's Exit.
         self.code = code
         self.line = line
 
@@ -539,7 +535,7 @@ def first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
-# ---- a replica's first weights, and layerdrop's coins ----------------------------------------------------------------
+# ---- a replica's first weights, its share of the test set, and layerdrop's coins ------------------------------------
 def initial_model(args):
     """The model's first weights come from --seed alone, so they are the same on every replica and in every run."""
     with ONE_REPLICA_AT_A_TIME:  # TPU v2/v3 run two replica threads, which share the global RNG.
@@ -557,12 +553,25 @@ def broadcast_weights(run):
     torch_xla.sync()
 
 
+def test_loader(run, images, labels):
+    """This replica's share of the test set, padded with samples marked valid=0, so that every replica runs the same
+    number of batches of one shape and each test sample counts exactly once over the replicas."""
+    index = torch.arange(run.rank, len(labels), run.world)  # every world-th sample, from this replica's rank
+    share = math.ceil(len(labels) / run.world)  # the largest share of any replica
+    size = math.ceil(share / run.load_batch) * run.load_batch  # rounded up to whole batches
+    valid = (torch.arange(size) < len(index)).float()
+    index = torch.cat([index, index.new_zeros(size - len(index))])  # The padding repeats sample 0.
+    data = StackDataset(image=images[index], label=labels[index], valid=valid)
+    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, drop_last=False), batch_size=None)
+
+
 def layerdrop_keep(args, epoch, step, device):
     """The step's fc2 decisions. They depend on (seed, epoch, step) only, so every replica traces the same graph (one
     that dropped other layers would all-reduce other gradients), and a resumed run makes the same ones."""
     if args.layerdrop == "off":
         return None
-    keep = np.random.default_rng([args.seed, epoch, step]).random(ToyModel.depth) >= args.layerdrop_prob
+    coins = np.random.default_rng([args.seed, epoch, step]).random(ToyModel.depth)
+    keep = coins >= args.layerdrop_prob  # each application kept with probability 1 - layerdrop_prob
     if args.layerdrop == "dynamic":
         return keep.tolist()
     return torch.tensor(keep, device=device)
@@ -640,7 +649,8 @@ class Log:
         compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['ops']}"
         run.say(f"epoch {self.epoch} compiles in this process | {compiled}")
         for name, value in (("test/loss", test.loss), ("test/accuracy", test.accuracy), ("train/samples_per_s", rate)):
-            self.scalar(name, value or 0, run.steps)
+            if value is not None:  # (an epoch too short to time has no samples/s)
+                self.scalar(name, value, run.steps)
         if self.board is not None:
             self.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
         return row
@@ -667,10 +677,10 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 
 
 # ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
-# A checkpoint is one dict: the model, the optimizer, the position (the epoch to train next, and the samples of it
-# trained), the settings, the history so far, and the test loss measured just before saving (None on a stop). It is
-# named by its position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save.
-# Under SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
+# A checkpoint is one dict: the model, the optimizer, where the run is (the epoch to train next, and the samples of it
+# done), the settings, the history so far, and the test loss measured just before saving (None on a stop). It is named
+# by that position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save. Under
+# SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
 # perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
 # something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the saved test loss.
 # The RNG state is not saved: this model draws nothing at random. Save it if yours uses dropout or augmentation.
@@ -740,8 +750,7 @@ def saved_settings(path):
     the weights, when that checkpoint wrote it; else from inside the checkpoint."""
     ckpt = find_checkpoint(path)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
-        with open(os.path.join(os.path.dirname(ckpt), "settings.json")) as f:
-            saved = json.load(f)
+        saved = read_json(os.path.join(os.path.dirname(ckpt), "settings.json"))
         if saved["checkpoint"] == os.path.basename(ckpt):
             return dict(saved["settings"])
     return load_checkpoint(ckpt)["settings"]
@@ -776,12 +785,13 @@ def resume(run):
     ckpt = load_checkpoint(path)
     try:
         run.model.load_state_dict(ckpt["model"])  # onto the device; under SPMD, replicated
+        run.optimizer.load_state_dict(ckpt["optimizer"])
     except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
-        raise Exit(2, f"error: --resume {path}: its model is not this run's: {' '.join(str(e).split())}") from e
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+        why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
+        raise Exit(2, f"error: --resume {path}: {why}") from e
     for group in run.optimizer.param_groups:
         group.update(lr=args.lr, momentum=args.momentum)  # this run's settings, whether given again or saved
-    done, rest = divmod(ckpt["samples"], run.global_batch)
+    done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
@@ -842,7 +852,7 @@ class Control:
         self.ended = None  # the Exit of a run that the launcher ended
         self.grace_ends = math.inf  # when a stop signal's grace is over
 
-    def __getstate__(self):  # A replica process gets the folder, not the launcher's handlers and processes.
+    def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
         return {"args": self.args, "out_dir": self.out_dir, "folder": self.folder}
 
     def write(self, name, value):
@@ -851,7 +861,7 @@ class Control:
     def read(self, prefix):  # {name: value} of the files whose names start with `prefix`, the oldest first
         names = [n for n in os.listdir(self.folder) if n.startswith(prefix) and not n.endswith(".tmp")]
         paths = sorted((os.path.join(self.folder, n) for n in names), key=os.path.getmtime)
-        return {os.path.basename(p): json.load(open(p)) for p in paths}
+        return {os.path.basename(p): read_json(p) for p in paths}
 
     def replicas(self):  # {rank: [process id, stage]} of the replicas whose runtime started, by rank
         ranks = {int(name.removeprefix("replica-")): value for name, value in self.read("replica-").items()}
@@ -887,7 +897,7 @@ class Control:
         stages = {stage for _, stage in self.replicas().values()}
         if self.stop_signal():
             self.end(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved"))
-        elif stages <= {"devices"}:  # No replica trains yet (or none has even started).
+        elif stages <= {"setup"}:  # No replica trains yet (or none has even started).
             self.end(Exit(128 + signum, f"stopped by {name} before training began: nothing to save"))
         else:
             self.write("stop", signum)
@@ -906,12 +916,12 @@ class Control:
                 elif time.monotonic() > self.grace_ends and "training" in stages:
                     self.end(self.grace_over)
                 elif time.monotonic() > self.deadline and "done" not in stages and os.path.isdir(self.folder):
-                    self.deadline_passed(stages[0] if stages else "devices")
+                    self.deadline_passed(stages[0] if stages else "setup")
                 time.sleep(0.5)
 
     def why_replicas_ended(self):  # An Exit, or None. A dead process comes first: a survivor's error only follows it.
         self.seen.update((p.pid, p) for p in multiprocessing.active_children() if p.pid not in self.not_ours)
-        for p in list(self.seen.values()):  # (The watch and exit_for() may both be here.)
+        for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
             if p.exitcode not in (None, 0):
                 how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
                 ranks = [str(rank) for rank, (pid, _) in self.replicas().items() if pid == p.pid] or ["?"]
@@ -919,7 +929,7 @@ class Control:
         failed = list(self.read("failed-").values())  # [code, line] of the replicas that failed alone, the first first
         return Exit(*failed[0]) if failed else None
 
-    def end(self, ended):  # Kills the replica processes (each holds a TPU chip): xmp.spawn raises, launch() `ended`.
+    def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and launch() raises `ended`.
         self.ended = ended
         children = [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
         if not children:  # A replica in this process cannot be killed: the process prints the line and exits.
@@ -942,7 +952,21 @@ class Control:
         return self.ended
 
 
-# ---- the smoke verdict: is this machine fit to train on? ------------------------------------------------------------
+# ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
+def finish(run):
+    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
+    accuracy = run.epochs[-1]["accuracy"]
+    run.say(f"done | {run.args.epochs} epochs | test accuracy {accuracy:.2f}%")
+    if run.args.smoke:
+        smoke_verdict(run)
+    elif accuracy < run.args.target_accuracy:
+        why = f"test accuracy {accuracy:.2f}% is below --target-accuracy {run.args.target_accuracy:g}"
+        raise Exit(21, f"failed: {why}")
+
+
+SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # --smoke's presets
+
+
 def smoke_verdict(run):
     """Runs the checks in CHECKS, each a PASS (True), FAIL (False) or SKIP (None) with its figure. A check FAILs if it
     failed on any replica. Exits 5 if one FAILs."""
@@ -1071,6 +1095,11 @@ def quietly():
             yield
 
 
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_json(path, data):  # Whole or not at all, as another process may read it at any moment.
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # its own, should two threads write one file at once
     with open(tmp, "w") as f:
@@ -1086,7 +1115,7 @@ def synthetic_digits(n, seed):
     labels = torch.randint(0, 10, (n,), generator=g)
     images = torch.rand(n, 28, 28, generator=g) * 0.3
     shifts = torch.randint(0, 9, (n, 2), generator=g)
-    for down, right in itertools.product(range(9), range(9)):  # all the samples that share a shift, in one step
+    for down, right in itertools.product(range(9), range(9)):  # The samples that share a shift get their glyph at once.
         at = (shifts[:, 0] == down) & (shifts[:, 1] == right)
         images[at, 3 + down : 17 + down, 3 + right : 17 + right] += glyphs[labels[at]] * 0.7
     return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
@@ -1114,8 +1143,7 @@ def fit(*argv):
         r.history = ckpt["history"]
         r.epochs = ckpt["epochs"]
     if args.smoke:
-        with open(os.path.join(out_dir, "verdict.json")) as f:
-            r.verdict = json.load(f)
+        r.verdict = read_json(os.path.join(out_dir, "verdict.json"))
     return r
 
 
