@@ -13,10 +13,10 @@ import signal
 # A preemption sends SIGTERM to every process, but only the launcher acts on it: it tells the replicas to save and stop.
 # So xmp.spawn's replica processes, which import this file first, set a handler that ignores it while the launcher
 # lives, before the slow imports below. Not SIG_IGN: libtpu replaces that with a handler that kills (pytorch/xla#8234).
-if multiprocessing.current_process().name != "MainProcess":
+if multiprocessing.current_process().name != "MainProcess":  # an xmp.spawn replica process
     launcher = os.getppid()
 
-    def on_stop_signal(signum, frame):
+    def on_stop_signal(signum, frame):  # Nothing while the launcher lives; a replica orphaned by its death ends.
         if os.getppid() != launcher:
             os._exit(128 + signum)
 
@@ -67,7 +67,8 @@ except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an
 # ---- flags -----------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() may pass numbers.
-    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # argparse's; see Exit
+    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # exits 2 in one line
+    smoke = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # its presets
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
@@ -86,14 +87,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more graphs compile after the first epoch"
     )
-    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {SMOKE}")
+    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {smoke}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
     if "--smoke" in argv:
-        p.set_defaults(**SMOKE)
+        p.set_defaults(**smoke)
     args = p.parse_args(argv)
     check_flags(p, args)  # Each value in its range, and no --resume with --smoke.
     if args.resume:  # Parse again, with the saved settings as the defaults: the flags given still win.
@@ -121,20 +122,19 @@ def model_input(images):
 
 
 def prepare_data(args):  # Once, before any replica starts, so that replicas never race to download MNIST.
-    if args.data != "mnist":
-        return
-    try:
-        with quietly():  # torchvision prints every attempt.
-            for train in (True, False):
-                load_split(args, train, download=True)
-    except Exception as e:
-        why = f"MNIST is not in --data-dir {args.data_dir}, and its download failed ({type(e).__name__})"
-        raise Exit(2, f"error: {why}: copy it there, or use --data synthetic") from e
+    if args.data == "mnist":
+        try:
+            with quietly():  # torchvision prints every attempt.
+                for train in (True, False):
+                    load_split(args, train, download=True)
+        except Exception as e:
+            why = f"MNIST is not in --data-dir {args.data_dir}, and its download failed ({type(e).__name__})"
+            raise Exit(2, f"error: {why}: copy it there, or use --data synthetic") from e
 
 
 # ---- model: your own goes here (edit 2 of 2) -------------------------------------------------------------------------
 class ToyModel(nn.Module):
-    """A small CNN that returns logits. With layerdrop, a shared fc2 runs up to 50 times on coin flips: a lesson."""
+    """A small CNN that returns logits. With --layerdrop, a shared residual layer (fc2) runs up to 50 times."""
 
     depth = 50  # fc2's applications with layerdrop, before any drop
 
@@ -157,12 +157,12 @@ class ToyModel(nn.Module):
             return x
         for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None means evaluation.
             if keep is None:  # Evaluation runs every application, as LayerDrop does at inference.
-                x = self.fc2(x)
+                x = x + F.relu(self.fc2(x)) / self.depth  # (scaled so that 50 applications stay small)
             elif self.layerdrop == "dynamic":  # Python bools shape the graph: one graph per number of applications.
                 if keep[i]:
-                    x = self.fc2(x)
+                    x = x + F.relu(self.fc2(x)) / self.depth
             else:  # Static: a tensor of bools, used on the device inside one graph.
-                x = torch.where(keep[i], self.fc2(x), x)
+                x = torch.where(keep[i], x + F.relu(self.fc2(x)) / self.depth, x)
         return self.fc3(x)
 
 
@@ -234,7 +234,7 @@ class Run:
     device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
     world: int = 1  # how many replicas train, each its own program (1 under SPMD)
     rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes files (rank 0); the file's only test of it
+    master: bool = True  # whether this replica prints and writes files (rank 0); nothing else asks "am I rank 0"
     devices: int = 1  # how many devices the run trains on
     mesh: object = None  # under SPMD: every device along one axis, "data"
     global_batch: int = 0  # samples per step, over every device
@@ -244,7 +244,7 @@ class Run:
     optimizer: torch.optim.Optimizer = None
     test: DataLoader = None  # this replica's share of the test set
     log: "Log" = None
-    history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per step, saved with each checkpoint
+    history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
     epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
     warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
     recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
@@ -342,16 +342,17 @@ def main(argv=None):
 
 # ---- at log boundaries and the epoch's end: the stop agreement and the saves ----------------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """Called after every step of an epoch but its last. At each log boundary and --save-steps step, the replicas agree
-    whether the launcher took a stop signal. A stop saves at once and exits; a --save-steps step evaluates and saves."""
+    """Called after every step. At each log boundary and --save-steps step inside the epoch, the replicas agree whether
+    the launcher took a stop signal. A stop saves at once and exits; a --save-steps step evaluates and saves."""
     if step == run.steps:
-        return  # end_epoch() saves the epoch's end.
+        return  # The epoch's last step is end_epoch()'s.
     saving = run.args.save_steps is not None and step % run.args.save_steps == 0
     if not saving and not run.log.is_boundary(step):
         return  # Between boundaries nothing waits for the device.
-    signum = int(agree(run, [run.control.stop_signal(), 0])[0])  # the same all-reduce as in end_epoch()
+    # The stop signal (0 if none) travels in the same all-reduce as in end_epoch(), whose second figure is unused here.
+    signum = int(agree(run, [run.control.stop_signal(), 0])[0])
     if signum:
-        run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it trained.
+        run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it logged.
         save(run, next_epoch=epoch, steps_done=step)  # No evaluation: the grace before a forced exit is short.
         stop(run, signum, f"epoch {epoch} step {step}")
     if saving:
@@ -622,14 +623,15 @@ class Log:
         self.finished = time.perf_counter()
 
     def read(self, upto=math.inf):
-        """Reads back the losses up to step `upto` into the run's history, and prints the boundaries' lines. Each loss
-        is then freed: a live tensor per step would slow every graph cut a little more."""
+        """Reads back the losses up to step `upto`: each to TensorBoard, and a boundary's to its line and the run's
+        history (a row per step would make every checkpoint grow with the run). Each loss is then freed: a live tensor
+        per step would slow every graph cut a little more."""
         while self.unread and self.unread[0][0] <= upto:
             step, tensor = self.unread.pop(0)
             loss = float(tensor.cpu())
-            self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss))
             self.scalar("train/loss", loss, step)
             if self.is_boundary(step):
+                self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss))
                 self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {loss:.4f}")
 
     def end_epoch(self, test):
@@ -643,10 +645,11 @@ class Log:
         run.say(f"epoch {self.epoch} done | {tested} | {speed}")
         total, seconds = compiles()
         row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
-        # The recompiles of this process, as the line says (run.recompiles, tested by --max-recompiles, is the most).
-        row.update(compiles=total - self.compiles_at_start, recompiles=total - run.warm_compiles, ops=fallback_ops())
+        # This process's compiles, as the line says. run.recompiles, which --max-recompiles tests, is the most of any.
+        row.update(compiles=total - self.compiles_at_start, recompiles=total - run.warm_compiles)
+        row["fallback_ops"] = fallback_ops()
         counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
-        compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['ops']}"
+        compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['fallback_ops']}"
         run.say(f"epoch {self.epoch} compiles in this process | {compiled}")
         for name, value in (("test/loss", test.loss), ("test/accuracy", test.accuracy), ("train/samples_per_s", rate)):
             if value is not None:  # (an epoch too short to time has no samples/s)
@@ -685,7 +688,7 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 # something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the saved test loss.
 # The RNG state is not saved: this model draws nothing at random. Save it if yours uses dropout or augmentation.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
-SETTINGS += ("layerdrop", "layerdrop_prob", "bf16")  # the flags a resumed run takes from its checkpoint, unless given
+SETTINGS += ("layerdrop", "layerdrop_prob", "bf16", "log_steps")  # what a resumed run takes, unless given again
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -707,7 +710,7 @@ def save(run, *, next_epoch, steps_done, test=None):
     path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
     if run.mesh is None:
         path += ".pt"
-        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Every replica syncs; the master writes.
+        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Only the global master writes.
     else:
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         with quietly():  # DCP warns that no process group is set: this one process is the whole run.
@@ -771,7 +774,7 @@ def load_checkpoint(path):
             raise KeyError("not the keys of a train_tpu.py checkpoint")
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
         why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
-        raise Exit(2, f"error: checkpoint {path}: {why}") from None
+        raise Exit(2, f"error: checkpoint {path}: {why}") from e
     return ckpt
 
 
@@ -848,12 +851,15 @@ class Control:
         self.out_dir = out_dir  # where a passed smoke deadline writes its verdict
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
         self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own processes, say
+        # With --cores 1 or --spmd the replica runs in this process, and child processes (DataLoader workers) are not
+        # replicas; otherwise the children are xmp.spawn's replica processes.
+        self.in_process = args.spmd or args.cores == 1
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
         self.ended = None  # the Exit of a run that the launcher ended
         self.grace_ends = math.inf  # when a stop signal's grace is over
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
-        return {"args": self.args, "out_dir": self.out_dir, "folder": self.folder}
+        return {"args": self.args, "out_dir": self.out_dir, "folder": self.folder, "in_process": self.in_process}
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
@@ -897,7 +903,7 @@ class Control:
         stages = {stage for _, stage in self.replicas().values()}
         if self.stop_signal():
             self.end(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved"))
-        elif stages <= {"setup"}:  # No replica trains yet (or none has even started).
+        elif stages <= {"setup"}:  # Every replica is still in setup, or none has started: nothing to save.
             self.end(Exit(128 + signum, f"stopped by {name} before training began: nothing to save"))
         else:
             self.write("stop", signum)
@@ -919,8 +925,8 @@ class Control:
                     self.deadline_passed(stages[0] if stages else "setup")
                 time.sleep(0.5)
 
-    def why_replicas_ended(self):  # An Exit, or None. A dead process comes first: a survivor's error only follows it.
-        self.seen.update((p.pid, p) for p in multiprocessing.active_children() if p.pid not in self.not_ours)
+    def why_replicas_ended(self):  # An Exit, or None. A dead process is the cause; errors of the others follow it.
+        self.seen.update((p.pid, p) for p in self.children())
         for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
             if p.exitcode not in (None, 0):
                 how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
@@ -929,9 +935,14 @@ class Control:
         failed = list(self.read("failed-").values())  # [code, line] of the replicas that failed alone, the first first
         return Exit(*failed[0]) if failed else None
 
+    def children(self):  # the replica processes alive (none if the replica is in this process)
+        if self.in_process:
+            return []
+        return [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
+
     def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and launch() raises `ended`.
         self.ended = ended
-        children = [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
+        children = self.children()
         if not children:  # A replica in this process cannot be killed: the process prints the line and exits.
             shutil.rmtree(self.folder, ignore_errors=True)
             print(f"train_tpu.py: {ended.line}", file=sys.stderr, flush=True)
@@ -962,9 +973,6 @@ def finish(run):
     elif accuracy < run.args.target_accuracy:
         why = f"test accuracy {accuracy:.2f}% is below --target-accuracy {run.args.target_accuracy:g}"
         raise Exit(21, f"failed: {why}")
-
-
-SMOKE = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # --smoke's presets
 
 
 def smoke_verdict(run):
@@ -1066,7 +1074,7 @@ def check_learning(run):
     k = max(1, len(losses) // 4)
     before = sum(losses[:k]) / k
     after = sum(losses[-k:]) / k
-    figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} steps), test accuracy {accuracy:.2f}%"
+    figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} logged steps), test accuracy {accuracy:.2f}%"
     return after < before and accuracy >= target, f"{figure} (target {target:g}%)"
 
 
