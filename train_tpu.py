@@ -157,12 +157,12 @@ class ToyModel(nn.Module):
             return x
         for i in range(self.depth):  # keep[i] says whether fc2's i-th application runs; None means evaluation.
             if keep is None:  # Evaluation runs every application, as LayerDrop does at inference.
-                x = x + F.relu(self.fc2(x)) / self.depth  # (scaled so that 50 applications stay small)
+                x = x + self.fc2(x) / self.depth  # (scaled so that 50 applications stay small)
             elif self.layerdrop == "dynamic":  # Python bools shape the graph: one graph per number of applications.
                 if keep[i]:
-                    x = x + F.relu(self.fc2(x)) / self.depth
+                    x = x + self.fc2(x) / self.depth
             else:  # Static: a tensor of bools, used on the device inside one graph.
-                x = torch.where(keep[i], x + F.relu(self.fc2(x)) / self.depth, x)
+                x = torch.where(keep[i], x + self.fc2(x) / self.depth, x)
         return self.fc3(x)
 
 
@@ -269,8 +269,8 @@ def train_epoch(run, loader, epoch, skip):
 
 def train(run):  # One replica's run: the model, the data, then the epochs.
     args = run.args
-    run.model = initial_model(args).to(run.device)  # The weights come from --seed alone.
-    broadcast_weights(run)  # The master's weights, to every replica, should a model's initialisation ignore the seed.
+    run.model = initial_model(args).to(run.device)  # The same on every replica: the weights come from --seed alone,
+    broadcast_weights(run)  # and then from the master, in case your model's initialisation does not use the seed.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     loader, sampler = train_loader(run, *load_split(args, train=True))
@@ -449,12 +449,13 @@ def check_environment(args):
     if kind not in ("TPU", "CPU") or (kind == "TPU" and not chips):
         raise Exit(2, f"error: PJRT_DEVICE={kind}, and this machine has no such device: unset it to use the CPU")
     hosts = 1
+    have = int(os.environ.get("CPU_NUM_DEVICES", 1))
     if kind == "TPU":
-        try:
-            hosts = tpu.num_tpu_workers()  # It asks the TPU VM's metadata server.
+        try:  # Both ask the TPU VM's metadata server (the devices per chip come from its accelerator type).
+            hosts = tpu.num_tpu_workers()
+            have = tpu.num_available_devices()
         except Exception as e:
             raise Exit(2, f"error: cannot read this TPU VM's slice from its metadata: {first_line(e)}") from e
-    have = tpu.num_available_devices() if kind == "TPU" else int(os.environ.get("CPU_NUM_DEVICES", 1))
     cores = args.cores or have
     if hosts > 1 and (args.spmd or cores == 1):
         raise Exit(2, f"error: --spmd and --cores 1 train on one host, and this slice has {hosts}: leave them out")
@@ -844,7 +845,8 @@ STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU 
 class Control:
     """The launcher takes the stop signals and watches the replicas: when one fails alone or its process dies, it ends
     them all, as the others would wait for it in their next collective. The two sides meet in a folder: `stop` holds
-    the signal's number, `replica-N` replica N's process id and stage, `failed-N` the line of one that failed alone."""
+    the signal's number, `replica-N` replica N's process id and stage, `failed-N` the line of one that failed alone.
+    On a pod slice each host's launcher watches its own replicas: other hosts' end only when their collectives fail."""
 
     def __init__(self, args, out_dir):
         self.args = args
@@ -1007,7 +1009,9 @@ def check_devices(run):
     found = xr.global_runtime_device_count()
     if run.kind != "TPU" or run.args.cores == 1:
         return None, f"{found} {run.kind} device(s); skipped off a TPU, or at --cores 1"
-    bounds = tpu.get_tpu_env().get("CHIPS_PER_HOST_BOUNDS")  # e.g. "2,2,1", from the tpu-env metadata
+    # The tpu-env metadata of a v4-256, as printed in github.com/penghao-wu/cambrian's test_tpu.py, holds
+    # CHIPS_PER_HOST_BOUNDS: '2,2,1'. With TPU_SKIP_MDS_QUERY (a GKE node, say) torch_xla builds it without that key.
+    bounds = tpu.get_tpu_env().get("CHIPS_PER_HOST_BOUNDS")
     if not bounds:
         return None, f"{found} TPU devices; skipped: the TPU metadata has no CHIPS_PER_HOST_BOUNDS"
     chips = math.prod(int(n) for n in bounds.split(","))
