@@ -10,9 +10,9 @@ import multiprocessing
 import os
 import signal
 
-# A preemption sends SIGTERM to every process, but only the launcher acts on it: it tells the replicas to save and stop.
-# So xmp.spawn's replica processes, which import this file first, set a handler that ignores it while the launcher
-# lives, before the slow imports below. Not SIG_IGN: libtpu replaces that with a handler that kills (pytorch/xla#8234).
+# A preemption sends SIGTERM to every process, and only the launcher acts on it: it tells the replicas to save and stop.
+# So each replica process (xmp.spawn's; it imports this file first) sets its own handler before the slow imports below.
+# The handler does nothing while the launcher lives. SIG_IGN would not do: libtpu makes that a kill (pytorch/xla#8234).
 if multiprocessing.current_process().name != "MainProcess":  # an xmp.spawn replica process
     launcher = os.getppid()
 
@@ -93,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
-    if "--smoke" in argv:
+    if "--smoke" in argv:  # Its presets replace the defaults, so that the flags given still win.
         p.set_defaults(**smoke)
     args = p.parse_args(argv)
     check_flags(p, args)  # Each value in its range, and no --resume with --smoke.
