@@ -910,6 +910,18 @@ def test_the_launchers_watch_ends_with_the_run(tmp_path):
     assert "train_tpu watch" not in [t.name for t in threading.enumerate()]
 
 
+def test_a_bug_in_the_launchers_watch_ends_the_run_instead_of_leaving_it_unwatched(monkeypatch, tmp_path, capsys):
+    ended = []
+    monkeypatch.setattr(tt.Control, "end", lambda control, e: ended.append(e))  # (the real one ends this process)
+    monkeypatch.setattr(tt.Control, "why_replicas_ended", lambda control: signal.Signals(-40).name)  # a ValueError
+    with tt.Control(tt.parse_args([]), str(tmp_path)):
+        for _ in range(100):  # (the watch looks at once, then every half second)
+            if not ended:
+                time.sleep(0.1)
+    assert [(e.code, e.line.split(":")[0]) for e in ended] == [(1, "run control failed")]
+    assert "ValueError" in ended[0].line and "Traceback" in capsys.readouterr().err
+
+
 def test_the_smoke_deadline_spares_a_run_whose_verdict_is_out(monkeypatch, tmp_path):
     passed = []
     monkeypatch.setattr(tt.Control, "deadline_passed", lambda control, stage: passed.append((control, stage)))
@@ -1063,6 +1075,21 @@ def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(
         tt.resume(run)
 
 
+def test_a_stops_checkpoint_is_checked_on_resume_by_one_test_batchs_logits_against_eager_pytorch():
+    """A stop saves no test loss; a checkpoint that converts wrongly must still fail (exit 4). TPU: not run here."""
+    torch.manual_seed(0)
+    saved = tt.ToyModel().state_dict()
+    ckpt = dict(test_loss=None, model=saved, device="CPU", settings={})
+    run = types.SimpleNamespace(args=tt.parse_args(["--data", "synthetic"]), device=torch.device("cpu"), load_batch=8)
+    vars(run).update(kind="CPU", say=lambda line: None, model=tt.ToyModel())
+    run.model.load_state_dict(saved)
+    assert tt.verify(run, "c.pt", ckpt) is None  # the same weights: the same logits
+    with torch.no_grad():
+        run.model.fc1.weight.copy_(run.model.fc1.weight.roll(1, 1))  # weights shifted by a column: a wrong layout
+    with pytest.raises(tt.Exit, match=r"^failed: resume check: c.pt computes other logits here than in eager PyTorch"):
+        tt.verify(run, "c.pt", ckpt)
+
+
 def test_the_verdict_combines_every_replicas_checks(monkeypatch, tmp_path, capsys):
     """Replica 1 of 2 fails numerics: the master, whose own numerics passed, reports it (TPU: not run here)."""
 
@@ -1168,7 +1195,10 @@ def test_sigterm_saves_at_the_next_boundary_and_the_resumed_run_equals_the_unint
         "train_tpu.py: stopped by SIGTERM at epoch 2 step 20, checkpoint saved: continue with --resume stop-SIGTERM"
     )
     assert "checkpoint-0002-000002560.pt" in saved  # the stop's position: 20 steps of 128 samples into epoch 2
-    assert "resume check | skipped: saved on a stop" in ok(resumed).stdout
+    check = re.search(
+        r"resume check \| saved on a stop: one test batch's logits, device vs eager CPU (\S+) ", ok(resumed).stdout
+    )
+    assert float(check.group(1)) <= 1e-5
     assert "continuing at epoch 2 of 2, after step 20" in resumed.stdout
     same_run(runs["root"] / "base", runs["root"] / "stop-SIGTERM")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

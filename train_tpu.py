@@ -6,14 +6,13 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
 """
 
-import multiprocessing
 import os
 import signal
 
 # A preemption sends SIGTERM to every process, and only the launcher acts on it: it tells the replicas to save and stop.
 # So each replica process (xmp.spawn's; it imports this file first) sets its own handler before the slow imports below.
 # The handler does nothing while the launcher lives. SIG_IGN would not do: libtpu makes that a kill (pytorch/xla#8234).
-if multiprocessing.current_process().name != "MainProcess":  # an xmp.spawn replica process
+if os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid()):  # a replica process, started by the launcher (Control)
     launcher = os.getppid()
 
     def on_stop_signal(signum, frame):  # Nothing while the launcher lives; a replica orphaned by its death ends.
@@ -31,6 +30,7 @@ import dataclasses
 import itertools
 import json
 import math
+import multiprocessing
 import shutil
 import sys
 import tempfile
@@ -810,11 +810,23 @@ def resume(run):
 
 
 def verify(run, path, ckpt):
-    """Evaluates the loaded weights, and exits 4 unless they give the test loss saved with them: a checkpoint
-    converted between the formats can silently compute something else. Returns the test result (None: unchecked)."""
+    """Exits 4 unless the loaded weights compute what they should: a checkpoint converted between the formats can
+    silently compute something else. They must give the test loss saved with them; a stop saves none, so then one test
+    batch must give the logits that eager PyTorch gives on the host. Returns the test result (None: not evaluated)."""
     saved = ckpt["test_loss"]
     if saved is None:
-        run.say("resume check | skipped: saved on a stop, with no test loss measured")
+        x = model_input(load_split(run.args, train=False)[0][: run.load_batch])
+        eager = build_model(run.args)
+        eager.load_state_dict(ckpt["model"])
+        run.model.eval()
+        with torch.no_grad():
+            logits = eager(x)
+            diff = float((run.model(x.to(run.device)).cpu() - logits).norm() / logits.norm())
+        run.model.train()
+        tol = tolerance(run)
+        run.say(f"resume check | saved on a stop: one test batch's logits, device vs eager CPU {diff:.1e} ({tol:.0e})")
+        if not diff <= tol:
+            raise Exit(4, f"failed: resume check: {path} computes other logits here than in eager PyTorch ({diff:.1e})")
         return None
     if (ckpt["settings"]["data"], ckpt["settings"]["data_dir"]) != (run.args.data, run.args.data_dir):
         run.say("resume check | skipped: the checkpoint was evaluated on other --data")
@@ -888,6 +900,7 @@ class Control:
 
     # The launcher's side.
     def __enter__(self):
+        os.environ["TRAIN_TPU_LAUNCHER"] = str(os.getpid())  # how a replica process knows its launcher at import
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
             self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -916,7 +929,7 @@ class Control:
     def watch(self):
         """Every half second: ends the run if a replica process died (xmp.spawn's pool can miss one in Python 3.11) or
         a replica failed alone, if a stop's grace is over while one trains, or at --smoke-timeout before the verdict."""
-        with contextlib.suppress(FileNotFoundError):  # The folder goes when the run ends, and so does the watch.
+        try:
             while self.ended is None and os.path.isdir(self.folder):
                 stages = [stage for _, stage in self.replicas().values()]
                 if ended := self.why_replicas_ended():
@@ -926,6 +939,10 @@ class Control:
                 elif time.monotonic() > self.deadline and "done" not in stages and os.path.isdir(self.folder):
                     self.deadline_passed(stages[0] if stages else "setup")
                 time.sleep(0.5)
+        except FileNotFoundError:
+            pass  # The folder goes when the run ends, and so does the watch.
+        except Exception as e:  # A bug here must not leave the run unwatched.
+            self.end(Exit(1, f"run control {report_bug(e)}"))
 
     def why_replicas_ended(self):  # An Exit, or None. A dead process is the cause; errors of the others follow it.
         self.seen.update((p.pid, p) for p in self.children())
