@@ -10,8 +10,8 @@ import os
 import signal
 
 # A preemption sends SIGTERM to every process, and only the launcher acts on it: it tells the replicas to save and stop.
-# So each replica process (xmp.spawn's; it imports this file first) sets its own handler before the slow imports below.
-# The handler does nothing while the launcher lives. SIG_IGN would not do: libtpu makes that a kill (pytorch/xla#8234).
+# So each replica process sets a handler as it imports this file, before the slow imports that a signal would cut short.
+# While the launcher lives it does nothing. Not SIG_IGN: libtpu turns that into a kill (pytorch/xla#8234).
 if os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid()):  # a replica process, started by the launcher (Control)
     launcher = os.getppid()
 
@@ -261,16 +261,16 @@ def train_epoch(run, loader, epoch, skip):
     for step, batch in enumerate(on_device(run, loader, skip=skip, stop=run.steps), start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
         run.log.add(step, loss)
-        checkpoint_or_stop(run, epoch, step)  # At log boundaries: stop if a signal came, save if --save-steps is due.
-    if step != run.steps:  # MpDeviceLoader ends an epoch quietly when the DataLoader fails.
+        checkpoint_or_stop(run, epoch, step)  # Stops if a signal came (seen at log boundaries); saves per --save-steps.
+    if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
     end_epoch(run, epoch)  # It evaluates, logs and saves the epoch, and then stops if a signal came.
 
 
 def train(run):  # One replica's run: the model, the data, then the epochs.
     args = run.args
-    run.model = initial_model(args).to(run.device)  # The same on every replica: the weights come from --seed alone,
-    broadcast_weights(run)  # and then from the master, in case your model's initialisation does not use the seed.
+    run.model = initial_model(args).to(run.device)  # Its first weights come from --seed alone.
+    broadcast_weights(run)  # A safeguard: every replica takes the master's, should your model's init ignore the seed.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     loader, sampler = train_loader(run, *load_split(args, train=True))
