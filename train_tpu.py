@@ -9,17 +9,22 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
 import os
 import signal
 
-# A preemption sends SIGTERM to every process, and only the launcher acts on it: it tells the replicas to save and stop.
-# So each replica process sets a handler as it imports this file, before the slow imports that a signal would cut short.
-# While the launcher lives it does nothing. Not SIG_IGN: libtpu turns that into a kill (pytorch/xla#8234).
-if os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid()):  # a replica process, started by the launcher (Control)
-    launcher = os.getppid()
+
+def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's after SIGTERM. Under nohup it stays ignored.
+    hangup = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGTERM, signal.SIGINT, *hangup]
+
+
+# A preemption signals every process; the launcher tells the replicas to save and stop. So a replica process sets a
+# handler before the slow imports, doing nothing while the launcher lives (SIG_IGN: libtpu kills, pytorch/xla#8234).
+REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
+if REPLICA_PROCESS:
 
     def on_stop_signal(signum, frame):  # Nothing while the launcher lives; a replica orphaned by its death ends.
-        if os.getppid() != launcher:
+        if str(os.getppid()) != os.environ["TRAIN_TPU_LAUNCHER"]:
             os._exit(128 + signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in stop_signals():
         signal.signal(signum, on_stop_signal)
 # ruff: noqa: E402 (the imports follow those statements on purpose)
 
@@ -27,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import importlib.metadata
 import itertools
 import json
 import math
@@ -59,7 +65,7 @@ try:
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.experimental.distributed_checkpoint as xc
     import torch_xla.runtime as xr
-    from torch_xla._internal import tpu
+    from torch_xla._internal import pjrt, tpu
 except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an unreachable metadata server
     XLA_IMPORT_ERROR = e
 
@@ -84,9 +90,7 @@ def parse_args(argv=None):
     # Layerdrop, from the article "Training PyTorch on Cloud TPUs": a graph that changes from step to step recompiles.
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
-    p.add_argument(
-        "--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more graphs compile after the first epoch"
-    )
+    p.add_argument("--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more graphs compile after epoch 1")
     p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {smoke}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
@@ -246,12 +250,13 @@ class Run:
     log: "Log" = None
     history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
     epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
+    checks: list = dataclasses.field(default_factory=list)  # --smoke: {name, passed, figure} of each check done
     warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
     recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
 
-    def say(self, line):  # The master prints, flushed at once: os._exit would drop a replica process's buffer.
+    def say(self, line):  # The master prints, and keeps the line in OUT/log.txt.
         if self.master:
-            print(line, flush=True)
+            tell(self.out_dir, line)
 
 
 def train_epoch(run, loader, epoch, skip):
@@ -279,8 +284,10 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
+    if args.smoke:
+        smoke_check(run, check_devices)  # before training: a missing chip is the first FAIL, whatever follows
     first_epoch, skip = resume(run)  # (1, 0) if fresh. A resumed run is checked against its saved test loss.
-    run.control.set_stage(run, "training")  # The launcher's stop signal now saves at a boundary, not ends at once.
+    run.control.set_stage(run.rank, "training")  # The launcher's stop signal now saves at a boundary, not ends at once.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
             sampler.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
@@ -308,24 +315,26 @@ def launch(args, kind, out_dir):  # Runs the replicas (docs: learn/pjrt), and tu
             raise ended from e
 
 
-def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica
-    run = start_replica(args, kind, out_dir, control)
+def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica; index is its ordinal
     try:
-        train(run)
+        train(start_replica(args, kind, out_dir, control))
     except Exception as e:
-        # An Exit 3, 4, 5, 21 or a stop is agreed: every replica raises it at the same point. Any other error, or an
-        # Exit 2 (bad input, such as a checkpoint that only this replica cannot read), may be this replica's alone,
-        # while the others wait for it in their next collective: the launcher must end them all.
-        alone = not isinstance(e, Exit) or e.code == 2
-        if run.world > 1 and alone:
-            control.fail_alone(run, e)
+        # An Exit 3, 5, 21 or a stop is agreed: every replica raises it at once. Any other error, or an Exit 2 or 4 (a
+        # checkpoint only this one cannot read or compute), may be its alone, while the others wait for it: end them.
+        alone = not isinstance(e, Exit) or e.code in (2, 4)
+        if alone and not control.in_process:
+            control.fail_alone(index, e)
         raise
+    finally:
+        control.set_stage(index, "ended")  # Its process may end now; one that ends before this died.
 
 
 def main(argv=None):
+    out_dir = None  # the run folder, whose log.txt keeps the last line too
     try:
         args = parse_args(argv)
-        launch(args, *prepare(args))  # prepare() returns the device kind and the run folder.
+        kind, out_dir = prepare(args)
+        launch(args, kind, out_dir)
         return 0
     except Exit as e:
         code, line = e.code, e.line
@@ -333,7 +342,7 @@ def main(argv=None):
         code, line = 130, "interrupted"
     except Exception as e:
         code, line = 1, report_bug(e)
-    print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
+    tell(out_dir, f"train_tpu.py: {line}", sys.stderr)
     return code
 
 
@@ -342,8 +351,7 @@ def main(argv=None):
 
 # ---- at log boundaries and the epoch's end: the stop agreement and the saves ----------------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """Called after every step. At each log boundary and --save-steps step inside the epoch, the replicas agree whether
-    the launcher took a stop signal. A stop saves at once and exits; a --save-steps step evaluates and saves."""
+    """After each step: at a log boundary or --save-steps step, the replicas agree on a stop (save, exit) or a save."""
     if step == run.steps:
         return  # The epoch's last step is end_epoch()'s.
     saving = run.args.save_steps is not None and step % run.args.save_steps == 0
@@ -361,14 +369,12 @@ def checkpoint_or_stop(run, epoch, step):
 
 
 def end_epoch(run, epoch):
-    """After the epoch's last step: the replicas agree whether to stop; then it evaluates, logs and saves the epoch.
-    Exits 3 past --max-recompiles (--smoke reports it as a check instead); stops if a signal came, but for the last
-    epoch, which lets the run finish."""
+    """After the epoch's last step: the replicas agree whether to stop; it evaluates, logs and saves the epoch. Exits 3
+    past --max-recompiles (--smoke: a check); stops if a signal came, but after the last epoch, which finishes."""
     recompiles = 0
     if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
         recompiles = compiles()[0] - run.warm_compiles
-    # The stop signal (0 if none) and the recompiles travel in one all-reduce, of the same shape as at every boundary,
-    # so that it compiles once. Each comes back as the largest over the replicas.
+    # The stop signal (0 if none) and the recompiles: the largest over the replicas, in the boundaries' one graph.
     signum, most_recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
     run.recompiles = most_recompiles
     run.log.drain()
@@ -386,14 +392,13 @@ def end_epoch(run, epoch):
 
 
 def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + the signal's number.
-    run.control.set_stage(run, "stopping")  # Saved: the launcher's grace no longer applies.
+    run.control.set_stage(run.rank, "stopping")  # Saved: the launcher's grace no longer applies.
     why = f"stopped by {signal.Signals(signum).name} at {where}, checkpoint saved"
     raise Exit(128 + signum, f"{why}: continue with --resume {run.out_dir}")
 
 
 def agree(run, values):
-    """The largest of `values` over the replicas, so that every replica decides alike. With several replicas this
-    waits for the step just launched, as the all-reduce is read back at once."""
+    """The largest of `values` over the replicas, so that all decide alike. It waits for the step just launched."""
     values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
     if run.world == 1:
         return values
@@ -436,9 +441,7 @@ def check_environment(args):
     if XLA_IMPORT_ERROR is not None:
         why = f"{type(XLA_IMPORT_ERROR).__name__}: {first_line(XLA_IMPORT_ERROR)}"
         raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
-    from importlib.metadata import version
-
-    xla = version("torch_xla")
+    xla = importlib.metadata.version("torch_xla")
     if xla.split(".")[:2] != torch.__version__.split(".")[:2]:  # torch_xla's C++ is built for one torch release.
         raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
     chips = tpu.num_available_chips()  # It reads the PCI bus, without starting the runtime.
@@ -470,8 +473,7 @@ def check_environment(args):
 
 
 def prepare_out_dir(args, hosts):
-    """Makes the run folder and returns it. Every host makes it, because ordinal 0, which writes, need not be on host 0
-    (torch_xla/runtime.py)."""
+    """Makes the run folder. Every host does: ordinal 0, which writes, need not be on host 0 (torch_xla/runtime.py)."""
     resumed = None
     if args.resume:
         resumed = os.path.dirname(os.path.abspath(find_checkpoint(args.resume)))
@@ -503,14 +505,13 @@ def start_replica(args, kind, out_dir, control):
         run.devices = run.world
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
-    control.set_stage(run, "setup")  # The launcher now knows this replica's process, and that its runtime started.
+    control.set_stage(run.rank, "setup")  # The launcher now knows this replica's process, and that its runtime started.
     return run
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
 class Exit(Exception):
-    """Ends a run with an exit code and one line (README.md lists the codes). The replicas raise it only where every
-    replica raises it, with the same code."""
+    """Ends a run with an exit code and one line (README.md lists the codes), raised by every replica alike."""
 
     def __init__(self, code, line):
         super().__init__(code, line)  # An exception pickles as its args: xmp.spawn pickles a replica process's Exit.
@@ -528,13 +529,13 @@ class Parser(argparse.ArgumentParser):  # argparse's, but a bad flag raises Exit
 
 def report_bug(e):
     """The line for an unexpected exception, a bug in your model say. Its traceback is printed first: you need it."""
-    traceback.print_exception(e)
+    with contextlib.suppress(OSError):  # (a stderr whose reader died)
+        traceback.print_exception(e)
     return f"failed: {type(e).__name__}: {e} (traceback above)"
 
 
-def first_line(e):
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+def first_line(e):  # (its type's name if the message is empty)
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # ---- a replica's first weights, its share of the test set, and layerdrop's coins ------------------------------------
@@ -546,8 +547,7 @@ def initial_model(args):
 
 
 def broadcast_weights(run):
-    """Every replica takes the master's weights. Integer buffers are left out: TPUs all-reduce no int64
-    (pytorch/xla#1952), and a step count starts equal anyway."""
+    """Every replica takes the master's float weights: TPUs all-reduce no int64 (pytorch/xla#1952)."""
     if run.world == 1:
         return
     tensors = itertools.chain(run.model.parameters(), run.model.buffers())
@@ -568,8 +568,7 @@ def test_loader(run, images, labels):
 
 
 def layerdrop_keep(args, epoch, step, device):
-    """The step's fc2 decisions. They depend on (seed, epoch, step) only, so every replica traces the same graph (one
-    that dropped other layers would all-reduce other gradients), and a resumed run makes the same ones."""
+    """The step's fc2 decisions, from (seed, epoch, step) only: one graph on every replica; a resume repeats them."""
     if args.layerdrop == "off":
         return None
     coins = np.random.default_rng([args.seed, epoch, step]).random(ToyModel.depth)
@@ -586,8 +585,7 @@ WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so sa
 
 class Log:
     """The master's output: a line at each log boundary and two at each epoch's end, and TensorBoard scalars. Losses
-    are read back one boundary late: those steps finished long ago, so reading them does not make the loop wait for
-    the device."""
+    are read back one boundary late: those steps finished long ago, so the loop does not wait for the device."""
 
     def __init__(self, run):
         self.run = run
@@ -609,8 +607,7 @@ class Log:
         return step % self.run.args.log_steps == 0 or step == self.run.steps
 
     def add(self, step, loss):
-        """Called after each step is traced. MpDeviceLoader launched the steps before it when it handed out this batch,
-        so the clock starts here, and the last boundary's steps have long finished."""
+        """After each step is traced. MpDeviceLoader launched the steps before it, so the clock starts here."""
         if step == self.timed_from + 1:
             self.started = time.perf_counter()
         self.unread.append((step, loss))
@@ -624,9 +621,8 @@ class Log:
         self.finished = time.perf_counter()
 
     def read(self, upto=math.inf):
-        """Reads back the losses up to step `upto`: each to TensorBoard, and a boundary's to its line and the run's
-        history (a row per step would make every checkpoint grow with the run). Each loss is then freed: a live tensor
-        per step would slow every graph cut a little more."""
+        """Reads back the losses up to step `upto`: each to TensorBoard, a boundary's to its line and the history (a row
+        per step would grow every checkpoint). Each is then freed: live tensors slow every graph cut a little more."""
         while self.unread and self.unread[0][0] <= upto:
             step, tensor = self.unread.pop(0)
             loss = float(tensor.cpu())
@@ -669,10 +665,8 @@ class Log:
 
 
 def compiles():  # graphs compiled in this process so far, and the seconds it took (torch_xla's metrics)
-    data = met.metric_data("CompileTime")  # (count, total ns, samples), or None before the first compile
-    if data is None:
-        return 0, 0.0
-    return data[0], data[1] / 1e9
+    count, nanoseconds, _ = met.metric_data("CompileTime") or (0, 0, None)  # None before the first compile
+    return count, nanoseconds / 1e9
 
 
 def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()`, a wait in the step, counts too.
@@ -681,13 +675,11 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 
 
 # ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
-# A checkpoint is one dict: the model, the optimizer, where the run is (the epoch to train next, and the samples of it
-# done), the settings, the history so far, and the test loss measured just before saving (None on a stop). It is named
-# by that position: checkpoint-EEEE-SSSSSSSSS. With a replica per device, the master writes NAME.pt with xm.save. Under
-# SPMD, torch.distributed.checkpoint writes each device's shards into the folder NAME (docs:
-# perf/spmd_distributed_checkpoint). An xm.save checkpoint loaded naively into an SPMD model can silently compute
-# something else (pytorch/xla#6660), so --resume reads either format, converts it, and checks the saved test loss.
-# The RNG state is not saved: this model draws nothing at random. Save it if yours uses dropout or augmentation.
+# One dict: the model, the optimizer, the position (the epoch to train next, the samples of it done), the settings, the
+# history, the test loss measured before saving (None on a stop); named checkpoint-EEEE-SSSSSSSSS by its position. A
+# replica per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
+# perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD model, can compute something else
+# (pytorch/xla#6660): --resume converts either format and checks the saved test loss. No RNG state: ToyModel draws none.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
 SETTINGS += ("layerdrop", "layerdrop_prob", "bf16", "log_steps")  # what a resumed run takes, unless given again
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
@@ -730,8 +722,7 @@ def save(run, *, next_epoch, steps_done, test=None):
 
 
 def checkpoints(folder):
-    """A run folder's whole checkpoints, in either format, the newest last. A *.tmp is still being written, and a DCP
-    folder is whole once its .metadata is."""
+    """A run folder's whole checkpoints, the newest last: no *.tmp (being written), no DCP folder without .metadata."""
     names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and not n.endswith(".tmp")]
     paths = [os.path.join(folder, n) for n in names]
     paths = [p for p in paths if p.endswith(".pt") or os.path.exists(os.path.join(p, ".metadata"))]
@@ -750,8 +741,7 @@ def find_checkpoint(path):
 
 
 def saved_settings(path):
-    """The settings of the run that --resume PATH continues: from settings.json beside its checkpoint, without loading
-    the weights, when that checkpoint wrote it; else from inside the checkpoint."""
+    """The settings saved with --resume PATH: settings.json beside it if it names it (no loading), else its own."""
     ckpt = find_checkpoint(path)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
         saved = read_json(os.path.join(os.path.dirname(ckpt), "settings.json"))
@@ -780,8 +770,7 @@ def load_checkpoint(path):
 
 
 def resume(run):
-    """Loads --resume into the model and optimizer, and verifies it. A checkpoint in the other mode's format is saved in
-    this mode's at once. Returns (the epoch to train, the steps of it done): (1, 0) for a fresh run."""
+    """Loads --resume and verifies it, saving it in this mode's format if need be. Returns (epoch, steps of it done)."""
     args = run.args
     if not args.resume:
         return 1, 0
@@ -810,9 +799,8 @@ def resume(run):
 
 
 def verify(run, path, ckpt):
-    """Exits 4 unless the loaded weights compute what they should: a checkpoint converted between the formats can
-    silently compute something else. They must give the test loss saved with them; a stop saves none, so then one test
-    batch must give the logits that eager PyTorch gives on the host. Returns the test result (None: not evaluated)."""
+    """Exits 4 unless the loaded weights, perhaps converted between the formats, compute what they should: the test loss
+    saved with them, or (a stop saves none) eager PyTorch's logits on one test batch. Returns the TestResult or None."""
     saved = ckpt["test_loss"]
     if saved is None:
         x = model_input(load_split(run.args, train=False)[0][: run.load_batch])
@@ -840,9 +828,8 @@ def verify(run, path, ckpt):
 
 
 def tolerance(run, other_device="CPU", bf16=False):
-    """How far two computations of the same numbers may differ (two losses, or a relative norm). float32 on the CPU
-    agrees to rounding; TPU matmuls round through bfloat16 by default, and a --bf16 step rounds more. A wrong weight or
-    layout differs by O(1)."""
+    """How far two computations may differ: float32 on the CPU to rounding; TPU matmuls round through bfloat16, --bf16
+    more. A wrong weight or layout differs by O(1)."""
     if bf16:
         return 5e-2
     if run.kind == "CPU" and other_device == "CPU":
@@ -855,25 +842,25 @@ STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU 
 
 
 class Control:
-    """The launcher takes the stop signals and watches the replicas: when one fails alone or its process dies, it ends
-    them all, as the others would wait for it in their next collective. The two sides meet in a folder: `stop` holds
-    the signal's number, `replica-N` replica N's process id and stage, `failed-N` the line of one that failed alone.
-    On a pod slice each host's launcher watches its own replicas: other hosts' end only when their collectives fail."""
+    """The launcher takes the stop signals and watches the replicas: one fails alone or dies, and it ends them all (the
+    others would wait for it). They meet in a folder: `stop` (the signal), `replica-N` ([pid, stage, stages so far]),
+    `failed-N` ([code, line, stage]), `checks` (--smoke's). On a pod slice each host's launcher watches its own."""
 
     def __init__(self, args, out_dir):
         self.args = args
-        self.out_dir = out_dir  # where a passed smoke deadline writes its verdict
+        self.out_dir = out_dir  # where a verdict goes when the launcher ends a smoke run
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
         self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own processes, say
-        # With --cores 1 or --spmd the replica runs in this process, and child processes (DataLoader workers) are not
-        # replicas; otherwise the children are xmp.spawn's replica processes.
-        self.in_process = args.spmd or args.cores == 1
+        self.in_process = args.spmd or args.cores == 1  # The replica is here: children are DataLoader workers.
+        self.progress = collections.Counter()  # {rank: stages so far} of this process's replicas
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
         self.ended = None  # the Exit of a run that the launcher ended
+        self.signalled = (None, 0.0)  # the first stop signal, and when it came
         self.grace_ends = math.inf  # when a stop signal's grace is over
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
-        return {"args": self.args, "out_dir": self.out_dir, "folder": self.folder, "in_process": self.in_process}
+        keep = ("args", "out_dir", "folder", "in_process")
+        return {name: getattr(self, name) for name in keep} | {"progress": collections.Counter()}
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
@@ -883,7 +870,7 @@ class Control:
         paths = sorted((os.path.join(self.folder, n) for n in names), key=os.path.getmtime)
         return {os.path.basename(p): read_json(p) for p in paths}
 
-    def replicas(self):  # {rank: [process id, stage]} of the replicas whose runtime started, by rank
+    def replicas(self):  # {rank: [process id, stage, stages so far]} of the replicas whose runtime started, by rank
         ranks = {int(name.removeprefix("replica-")): value for name, value in self.read("replica-").items()}
         return dict(sorted(ranks.items()))
 
@@ -891,19 +878,21 @@ class Control:
     def stop_signal(self):  # the number of the signal the launcher took, or 0
         return self.read("stop").get("stop", 0)
 
-    def set_stage(self, run, stage):  # The smoke deadline names the stage, should it pass.
-        self.write(f"replica-{run.rank}", [os.getpid(), stage])
+    def set_stage(self, rank, stage):  # The launcher learns the replica's process, and how far it got.
+        self.progress[rank] += 1
+        self.write(f"replica-{rank}", [os.getpid(), stage, self.progress[rank]])
 
-    def fail_alone(self, run, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
-        ended = e if isinstance(e, Exit) else Exit(1, f"replica {run.rank}: {report_bug(e)}")
-        self.write(f"failed-{run.rank}", [ended.code, ended.line])
+    def fail_alone(self, rank, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
+        ended = e if isinstance(e, Exit) else Exit(1, f"replica {rank}: {report_bug(e)}")
+        self.write(f"failed-{rank}", [ended.code, ended.line, self.replicas().get(rank, [0, "setup"])[1]])
 
     # The launcher's side.
     def __enter__(self):
         os.environ["TRAIN_TPU_LAUNCHER"] = str(os.getpid())  # how a replica process knows its launcher at import
+        os.environ["TRAIN_TPU_CONTROL"] = self.folder  # and where to report an error before _mp_fn runs
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
-            self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            self.handlers = {s: signal.signal(s, self.on_signal) for s in stop_signals()}
         self.deadline = (time.monotonic() + self.args.smoke_timeout) if self.args.smoke else math.inf
         threading.Thread(target=self.watch, name="train_tpu watch", daemon=True).start()
         return self
@@ -911,14 +900,20 @@ class Control:
     def __exit__(self, *exc):
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
+        for name in ("TRAIN_TPU_LAUNCHER", "TRAIN_TPU_CONTROL"):  # A process this one starts later is no replica.
+            os.environ.pop(name, None)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at its next boundary.
         name = signal.Signals(signum).name
-        stages = {stage for _, stage in self.replicas().values()}
-        if self.stop_signal():
+        first, at = self.signalled
+        if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
+            return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
+        self.signalled = (signum, time.monotonic())
+        stages = {stage for _, stage, _ in self.replicas().values()}
+        if first is not None:
             self.end(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved"))
-        elif stages <= {"setup"}:  # Every replica is still in setup, or none has started: nothing to save.
+        elif stages <= {"setup", "devices"}:  # Every replica is before training, or none has started: nothing to save.
             self.end(Exit(128 + signum, f"stopped by {name} before training began: nothing to save"))
         else:
             self.write("stop", signum)
@@ -928,31 +923,38 @@ class Control:
 
     def watch(self):
         """Every half second: ends the run if a replica process died (xmp.spawn's pool can miss one in Python 3.11) or
-        a replica failed alone, if a stop's grace is over while one trains, or at --smoke-timeout before the verdict."""
+        a replica failed alone, if a stop's grace is over while one trains, or at --smoke-timeout, verdict or not."""
         try:
             while self.ended is None and os.path.isdir(self.folder):
-                stages = [stage for _, stage in self.replicas().values()]
-                if ended := self.why_replicas_ended():
-                    self.end(ended)
+                replicas = self.replicas()
+                stages = [stage for _, stage, _ in replicas.values()]
+                if found := self.why_replicas_ended():
+                    self.end(self.for_smoke(*found))
                 elif time.monotonic() > self.grace_ends and "training" in stages:
                     self.end(self.grace_over)
-                elif time.monotonic() > self.deadline and "done" not in stages and os.path.isdir(self.folder):
-                    self.deadline_passed(stages[0] if stages else "setup")
+                elif time.monotonic() > self.deadline:
+                    self.end(self.deadline_passed(replicas))
                 time.sleep(0.5)
         except FileNotFoundError:
             pass  # The folder goes when the run ends, and so does the watch.
         except Exception as e:  # A bug here must not leave the run unwatched.
             self.end(Exit(1, f"run control {report_bug(e)}"))
 
-    def why_replicas_ended(self):  # An Exit, or None. A dead process is the cause; errors of the others follow it.
+    def why_replicas_ended(
+        self,
+    ):  # (an Exit, its stage) of a process ended before its replicas (the cause), or a failure
+        replicas = self.replicas()
         self.seen.update((p.pid, p) for p in self.children())
         for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
-            if p.exitcode not in (None, 0):
-                how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-                ranks = [str(rank) for rank, (pid, _) in self.replicas().items() if pid == p.pid] or ["?"]
-                return Exit(1, f"failed: replica {' and '.join(ranks)}'s process died ({how}); its checkpoints stay")
-        failed = list(self.read("failed-").values())  # [code, line] of the replicas that failed alone, the first first
-        return Exit(*failed[0]) if failed else None
+            stages = {rank: stage for rank, (pid, stage, _) in replicas.items() if pid == p.pid}
+            if p.exitcode is None or (stages and set(stages.values()) == {"ended"}):
+                continue  # alive, or ended after its replicas
+            how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            who = f"replica {' and '.join(map(str, stages))}'s process" if stages else f"replica process {p.pid}"
+            stage = next(iter(stages.values()), "setup")
+            return Exit(1, f"failed: {who} died ({how}) in {stage}; its checkpoints stay"), stage
+        failed = list(self.read("failed-").values())  # the replicas that failed alone, the first first
+        return (Exit(*failed[0][:2]), failed[0][2]) if failed else None
 
     def children(self):  # the replica processes alive (none if the replica is in this process)
         if self.in_process:
@@ -964,27 +966,59 @@ class Control:
         children = self.children()
         if not children:  # A replica in this process cannot be killed: the process prints the line and exits.
             shutil.rmtree(self.folder, ignore_errors=True)
-            print(f"train_tpu.py: {ended.line}", file=sys.stderr, flush=True)
+            tell(self.out_dir, f"train_tpu.py: {ended.line}", sys.stderr)
             os._exit(ended.code)
         for child in children:
             child.kill()
 
-    def deadline_passed(self, stage):  # --smoke-timeout: the stage of the lowest rank FAILs.
-        line = f"{stage} did not finish within --smoke-timeout"
-        publish(self.out_dir, [dict(name=stage, passed=False, figure=f"{line} {self.args.smoke_timeout:g} s")])
-        self.end(Exit(5, f"failed: smoke verdict FAIL: {line}"))
+    def deadline_passed(self, replicas):  # The replicas furthest behind FAIL: the others wait for them in a collective.
+        if replicas and {stage for _, stage, _ in replicas.values()} <= {"done", "ended"}:  # a join or teardown hangs
+            passed = read_json(os.path.join(self.out_dir, "verdict.json"))["passed"]
+            return Exit(0 if passed else 5, "the replica processes outlived --smoke-timeout after the verdict: killed")
+        behind = min((count for *_, count in replicas.values()), default=0)
+        stuck = " and ".join(str(rank) for rank, (*_, count) in replicas.items() if count == behind) or "none started"
+        stage = next((stage for _, stage, count in replicas.values() if count == behind), "setup")
+        line = f"replica {stuck} did not finish {stage} within --smoke-timeout {self.args.smoke_timeout:g} s"
+        return self.for_smoke(Exit(5, line), stage)
+
+    def for_smoke(self, ended, stage):  # --smoke ends in a verdict, whatever ends it: the checks done, a FAIL row.
+        if not self.args.smoke:
+            return ended
+        figure = ended.line.removeprefix("failed: ").removeprefix("error: ")
+        publish(self.out_dir, [*self.read("checks").get("checks", []), dict(name=stage, passed=False, figure=figure)])
+        return Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
 
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
-        if self.ended is None:  # xmp.spawn raised before the watch looked.
-            self.ended = self.why_replicas_ended()
+        if self.ended is None and (found := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
+            self.ended = self.for_smoke(*found)
         if self.ended is None and not self.replicas():  # No replica has set a stage: none has a runtime.
-            self.ended = Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}")
+            self.ended = self.for_smoke(Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}"), "setup")
+        if self.ended is None and self.args.smoke:  # (--cores 1, --spmd: with --smoke, a verdict)
+            self.ended = self.for_smoke(Exit(1, f"replica 0: {report_bug(e)}"), self.replicas().get(0, [0, "setup"])[1])
         return self.ended
+
+
+def run_replica_process(local_rank, *args, **kwargs):
+    """torch_xla's _run_thread_per_device starts the runtime (a chip held by another process fails there), then _mp_fn.
+    xmp.spawn's pool would pass an error on once the replicas before it returned, which wait for it: it reports now."""
+    try:
+        return RUN_THREAD_PER_DEVICE(local_rank, *args, **kwargs)
+    except Exception as e:
+        if any(frame.f_code.co_name == "_mp_fn" for frame, _ in traceback.walk_tb(e.__traceback__)):
+            raise  # an error of _mp_fn's own, which it has handled
+        why = f"replica process {local_rank} (its local rank) failed to start: {type(e).__name__}: {first_line(e)}"
+        write_json(os.path.join(os.environ["TRAIN_TPU_CONTROL"], f"failed-p{local_rank}"), [1, why, "setup"])
+        raise  # (the pool's worker lives on, idle)
+
+
+if REPLICA_PROCESS and XLA_IMPORT_ERROR is None:  # What a replica process sets up as it imports this file (see the top)
+    RUN_THREAD_PER_DEVICE = pjrt._run_thread_per_device
+    pjrt._run_thread_per_device = run_replica_process  # xmp.spawn's pool looks it up here, by name
 
 
 # ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
 def finish(run):
-    run.control.set_stage(run, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
+    run.control.set_stage(run.rank, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
     accuracy = run.epochs[-1]["accuracy"]
     run.say(f"done | {run.args.epochs} epochs | test accuracy {accuracy:.2f}%")
     if run.args.smoke:
@@ -994,35 +1028,36 @@ def finish(run):
         raise Exit(21, f"failed: {why}")
 
 
-def smoke_verdict(run):
-    """Runs the checks in CHECKS, each a PASS (True), FAIL (False) or SKIP (None) with its figure. A check FAILs if it
-    failed on any replica. Exits 5 if one FAILs."""
-    checks = []
+def smoke_verdict(run):  # The checks after training. One FAILs if it failed on any replica; then exit 5.
     for check in CHECKS:
-        name = check.__name__.removeprefix("check_")
-        run.control.set_stage(run, name)
-        passed, figure = check(run)
-        checks.append(dict(name=name, passed=passed, figure=figure))
-    run.control.set_stage(run, "verdict")
-    failures = torch.zeros(run.world, len(checks))  # a row per replica, 1 where its check failed
-    failures[run.rank] = torch.tensor([float(c["passed"] is False) for c in checks])
+        smoke_check(run, check)
+    run.control.set_stage(run.rank, "verdict")
+    failures = torch.zeros(run.world, len(run.checks))  # a row per replica, 1 where its check failed
+    failures[run.rank] = torch.tensor([float(c["passed"] is False) for c in run.checks])
     failures = agree(run, failures)  # The largest over the replicas holds every row: each sent zeros in the others'.
-    for check, column in zip(checks, failures.T, strict=True):
+    for check, column in zip(run.checks, failures.T, strict=True):
         where = column.nonzero().flatten().tolist()
         if where:
             check["passed"] = False
             check["figure"] += f" | FAILED on replica(s) {where}"
-    run.control.set_stage(run, "done")  # The verdict is agreed: the smoke deadline no longer applies.
+    run.control.set_stage(run.rank, "done")  # The verdict is agreed: the launcher's is no longer needed.
     if run.master:
-        publish(run.out_dir, checks)
-    failed = [c["name"] for c in checks if c["passed"] is False]
+        publish(run.out_dir, run.checks)
+    failed = [c["name"] for c in run.checks if c["passed"] is False]
     if failed:
         raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
 
 
+def smoke_check(run, check):  # A PASS (True), FAIL (False) or SKIP (None), and its figure; the launcher's copy too.
+    name = check.__name__.removeprefix("check_")
+    run.control.set_stage(run.rank, name)
+    passed, figure = check(run)
+    run.checks.append(dict(name=name, passed=passed, figure=figure))
+    run.control.write("checks", run.checks)  # (every replica's alike, but for the master's checkpoint read)
+
+
 def check_devices(run):
-    """The devices the runtime found, against what the TPU metadata says the slice holds. Not the PCI bus: xmp.spawn
-    counts chips there too, so a chip missing from it would lower both numbers."""
+    """The devices the runtime found, against the slice's in the TPU metadata (not the PCI bus: xmp.spawn reads it)."""
     found = xr.global_runtime_device_count()
     if run.kind != "TPU" or run.args.cores == 1:
         return None, f"{found} {run.kind} device(s); skipped off a TPU, or at --cores 1"
@@ -1041,8 +1076,8 @@ def check_devices(run):
 
 
 def check_numerics(run):
-    """A first step from the run's initial weights and the training set's first samples, on the device and in eager
-    PyTorch on the host: the logits, the loss and the weight update (-lr x gradient), each compared by norm."""
+    """A first step from the initial weights on the first samples, on the device and in eager PyTorch on the host: the
+    logits, the loss and the weight update (-lr x gradient), each compared by norm."""
     args = run.args
     images, labels = load_split(args, train=True)
     state = initial_model(args).state_dict()  # the same weights on both, whatever your initialisation does
@@ -1099,7 +1134,7 @@ def check_learning(run):
     return after < before and accuracy >= target, f"{figure} (target {target:g}%)"
 
 
-CHECKS = (check_devices, check_numerics, check_checkpoint, check_compilation, check_learning)
+CHECKS = (check_numerics, check_checkpoint, check_compilation, check_learning)  # after check_devices, before training
 
 
 def publish(out_dir, checks):
@@ -1107,7 +1142,7 @@ def publish(out_dir, checks):
     mark = {True: "PASS", False: "FAIL", None: "SKIP"}
     passed = all(c["passed"] is not False for c in checks)
     rows = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in checks]
-    print("\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]), flush=True)
+    tell(out_dir, "\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]))
     write_json(os.path.join(out_dir, "verdict.json"), {"passed": passed, "checks": checks})
 
 
@@ -1117,11 +1152,18 @@ ONE_REPLICA_AT_A_TIME = threading.RLock()  # TPU v2/v3's two replica threads sha
 
 @contextlib.contextmanager
 def quietly():
-    """Silences torchvision's download attempts and DCP's notices, which say nothing about this use. It silences the
-    whole process meanwhile: on TPU v2/v3, the other replica thread's prints too."""
+    """Silences torchvision's download attempts and DCP's notices: the whole process, the other v2/v3 replica too."""
     with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
         with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
             yield
+
+
+def tell(out_dir, line, stream=None):  # Prints a line, and keeps it in OUT/log.txt.
+    with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
+        print(line, file=stream or sys.stdout, flush=True)
+    if out_dir is not None:
+        with open(os.path.join(out_dir, "log.txt"), "a") as f:
+            f.write(line + "\n")
 
 
 def read_json(path):
@@ -1152,10 +1194,8 @@ def synthetic_digits(n, seed):
 
 # ---- from Python: the results back in the caller ---------------------------------------------------------------------
 def fit(*argv):
-    """The command line as a call: fit("--cores", 1, "--smoke") trains as main() would, and returns the last
-    checkpoint's model (on the host; None if none was saved), history and epochs, and the smoke verdict, if any. It
-    raises Exit where main() would exit non-zero, but for a failed verdict, which comes back in .verdict. With the
-    replica in this process (--cores 1, --spmd), run control ends the process where it must end the run at once."""
+    """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
+    history, epochs and verdict. It raises Exit where main() fails, but for a verdict. --cores 1 may end the process."""
     args = parse_args(argv)
     kind, out_dir = prepare(args)
     try:
@@ -1178,6 +1218,6 @@ def fit(*argv):
 
 if __name__ == "__main__":
     exit_code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # (a reader of stdout that died; stderr is line-buffered)
+        sys.stdout.flush()
     os._exit(exit_code)  # After an error mid-epoch, MpDeviceLoader's feeder thread can abort a normal exit (134).
