@@ -7,6 +7,7 @@ are started together, two at a time, the first time a test needs one (the `runs`
 """
 
 import json
+import multiprocessing
 import os
 import pickle
 import re
@@ -1016,6 +1017,25 @@ def test_a_replica_that_fails_alone_tells_the_launcher_and_still_raises(monkeypa
     ended, stage = control.why_replicas_ended()
     assert (ended.code, ended.line) == (1, "replica 1: failed: ZeroDivisionError: division by zero (traceback above)")
     assert stage == "setup"  # (start_replica was replaced: it set none)
+
+
+def test_a_replica_process_that_ends_before_its_replica_returned_is_a_death_even_with_exit_code_0(tmp_path):
+    control = tt.Control(tt.parse_args([]), str(tmp_path))  # (no watch thread: it is not entered)
+    fork = multiprocessing.get_context("fork")
+    for stage, died in (("training", True), ("ended", False)):
+        child = fork.Process(target=time.sleep, args=(0.5,))  # exits 0
+        child.start()
+        control.write("replica-1", [child.pid, stage, 3])
+        assert control.why_replicas_ended() is None  # alive: seen
+        child.join()
+        found = control.why_replicas_ended()
+        control.seen.clear()
+        if died:
+            ended, at = found
+            line = "failed: replica 1's process died (exit code 0) in training; its checkpoints stay"
+            assert (ended.code, ended.line, at) == (1, line, "training")
+        else:
+            assert found is None  # its replica returned first: the pool's ordinary end
 
 
 def test_the_launchers_watch_ends_with_the_run(tmp_path):
