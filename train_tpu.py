@@ -32,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -1037,7 +1038,7 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
     failures = agree(run, failures)  # The largest over the replicas holds every row: each sent zeros in the others'.
     for check, column in zip(run.checks, failures.T, strict=True):
         where = column.nonzero().flatten().tolist()
-        if where:
+        if where and len(where) < run.world:  # (a check that names the replica itself fails everywhere alike)
             check["passed"] = False
             check["figure"] += f" | FAILED on replica(s) {where}"
     run.control.set_stage(run.rank, "done")  # The verdict is agreed: the launcher's is no longer needed.
@@ -1134,7 +1135,85 @@ def check_learning(run):
     return after < before and accuracy >= target, f"{figure} (target {target:g}%)"
 
 
-CHECKS = (check_numerics, check_checkpoint, check_compilation, check_learning)  # after check_devices, before training
+def check_collectives(run):
+    """SUM and MAX all-reduces and an all-gather, at three sizes, of integer-valued float32 that encode each replica's
+    rank (exact whatever the order of the sum), bit for bit against their closed form."""
+    if run.world == 1:
+        return None, "one replica (under SPMD, one program over every device): no collective to check"
+    # Per replica, size and operation: 0 if its result is right, else 1 (+ for an all-gather, the part's source).
+    found = torch.zeros(run.world, 3 * len(SIZES))
+    for k, n in enumerate(SIZES):
+        sent = [(torch.arange(n) % 1024 + 1) * 64.0 + r for r in range(run.world)]  # what replica r sends, < 2**24
+        mine = sent[run.rank].to(run.device)
+        got = [xm.all_reduce(xm.REDUCE_SUM, mine), xm.all_reduce(xm.REDUCE_MAX, mine), xm.all_gather(mine)]
+        for j, (result, expected) in enumerate(zip(got, [sum(sent), sent[-1], torch.cat(sent)], strict=True)):
+            wrong = (result.cpu().view(torch.int32) != expected.view(torch.int32)).nonzero()
+            if len(wrong) and j == 2:
+                found[run.rank, 3 * k + j] = 1 + int(wrong[0]) // n  # an all-gather's part says where it came from
+            elif len(wrong):
+                found[run.rank, 3 * k + j] = 1
+    found = agree(run, found)  # every replica's row: each sent zeros in the others'
+    wrong = []
+    for r, i in found.nonzero().tolist():
+        wrong.append(f"replica {r}'s {('SUM', 'MAX', 'all-gather')[i % 3]} of {SIZES[i // 3]}")
+        if i % 3 == 2:
+            wrong[-1] += f" (the part from replica {int(found[r, i]) - 1})"
+    figure = f"SUM, MAX, all-gather of {', '.join(map(str, SIZES))} floats on {run.world} replicas"
+    return not wrong, f"{figure}: {', '.join(wrong) or 'bit for bit their closed form'}"
+
+
+def check_replicas(run):
+    """One step (forward and backward, no update) from the same weights on the same batch on every replica, three
+    times: the programs traced must hash alike, and the loss and gradients agree bit for bit, before any all-reduce."""
+    if run.world == 1:
+        return None, "one replica (under SPMD, one program over every device): no other to compare with"
+    state = initial_model(run.args).state_dict()
+    x, y = [t[: run.load_batch] for t in load_split(run.args, train=True)]
+    _, eager = replica_step(run.args, state, x, y, torch.device("cpu"))
+    table = torch.zeros(run.world, 3, 9)  # per replica and run: program hash, results' hash (16-bit words), distance
+    for k in range(3):
+        program, values = replica_step(run.args, state, x, y, run.device)
+        digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=8).digest()
+        distance = float((values - eager).norm() / eager.norm())  # from eager PyTorch on the host
+        table[run.rank, k] = torch.tensor([*np.frombuffer(program[:8] + digest, np.uint16).tolist(), distance])
+    table = agree(run, table)  # every replica's rows
+    programs = [tuple(t[0, :4].tolist()) for t in table]
+    if len(set(programs)) > 1:
+        why = "not a chip fault: the model traces a graph of its own on some replica"
+        return False, f"replica(s) {odd_ones(programs)} traced other programs than the rest: {why}"
+    differs = collections.Counter(r for k in range(3) for r in odd_ones([tuple(t[k, 4:8].tolist()) for t in table]))
+    if not differs:
+        return True, f"loss and {len(eager) - 1} gradient values bit-identical on {run.world} replicas, 3 times"
+    rows = [
+        f"replica {r} differs in {n}/3 steps ({'every time: its chip' if n == 3 else 'not every time: transient'})"
+        for r, n in sorted(differs.items())
+    ]
+    if len(differs) == run.world:  # no majority: the eager reference tells the further off
+        further = max(differs, key=lambda r: float(table[r, :, 8].max()))
+        rows.append(f"eager CPU is further from replica {further} ({float(table[further, :, 8].max()):.1e})")
+    return False, "; ".join(rows)
+
+
+def replica_step(args, state, x, y, device):
+    """The loss and gradients of one step from `state` (no update), on the host, and the traced program's hash."""
+    model = build_model(args).to(device)
+    model.load_state_dict(state)
+    loss = F.cross_entropy(model(model_input(x.to(device))), y.to(device))
+    loss.backward()
+    tensors = [loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    program = torch_xla._XLAC._get_graph_hash(tensors) if device.type == "xla" else b""  # before it runs
+    return program, torch.cat([t.flatten().float() for t in tensors]).cpu()
+
+
+def odd_ones(values):  # the replicas whose value differs from the majority's; all of them if there is none
+    common, count = collections.Counter(values).most_common(1)[0]
+    if 2 * count <= len(values):
+        return list(range(len(values)))
+    return [r for r, value in enumerate(values) if value != common]
+
+
+SIZES = (1, 4096, 1 << 16)  # floats per replica in each collective that check_collectives makes
+CHECKS = (check_numerics, check_checkpoint, check_compilation, check_learning, check_collectives, check_replicas)
 
 
 def publish(out_dir, checks):
