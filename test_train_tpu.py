@@ -1053,14 +1053,18 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
 def test_a_replica_that_fails_alone_tells_the_launcher_and_still_raises(monkeypatch, tmp_path):
     """Were it to return, xmp.spawn could return normally in the launcher before its watch looked: an exit 0."""
     control = tt.Control(tt.parse_args([]), str(tmp_path))
-    monkeypatch.setattr(tt, "start_replica", lambda *args: types.SimpleNamespace(world=2, rank=1))
+
+    def start_replica(*args):  # its runtime started
+        control.set_stage(1, "setup")
+        return types.SimpleNamespace(world=2, rank=1)
+
+    monkeypatch.setattr(tt, "start_replica", start_replica)
     monkeypatch.setattr(tt, "train", lambda run: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         tt._mp_fn(1, None, "CPU", str(tmp_path), control)
-    assert control.replicas() == {1: [os.getpid(), "ended", 1]}  # (its process may now end: not a death)
     ended, stage = control.why_replicas_ended()
     assert (ended.code, ended.line) == (1, "replica 1: failed: ZeroDivisionError: division by zero (traceback above)")
-    assert stage == "setup"  # (start_replica was replaced: it set none)
+    assert stage == "setup" and control.replicas() == {1: [os.getpid(), "ended", 2]}  # its process may now end
 
 
 def test_a_replica_process_that_ends_before_its_replica_returned_is_a_death_even_with_exit_code_0(tmp_path):

@@ -16,7 +16,8 @@ def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's afte
 
 
 # A preemption signals every process; the launcher tells the replicas to save and stop. So a replica process sets a
-# handler before the slow imports, doing nothing while the launcher lives (SIG_IGN: libtpu kills, pytorch/xla#8234).
+# handler before the slow imports, doing nothing while the launcher lives (a handler: over SIG_IGN libtpu kills,
+# pytorch/xla#8234).
 REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
 if REPLICA_PROCESS:
 
@@ -316,7 +317,7 @@ def launch(args, kind, out_dir):  # Runs the replicas (docs: learn/pjrt), and tu
             raise ended from e
 
 
-def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica; index is its ordinal
+def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica (rank: its ordinal)
     try:
         train(start_replica(args, kind, out_dir, control))
     except Exception as e:
@@ -324,10 +325,11 @@ def _mp_fn(index, args, kind, out_dir, control):  # xmp.spawn's entry point, onc
         # checkpoint only this one cannot read or compute), may be its alone, while the others wait for it: end them.
         alone = not isinstance(e, Exit) or e.code in (2, 4)
         if alone and not control.in_process:
-            control.fail_alone(index, e)
+            control.fail_alone(rank, e)
         raise
     finally:
-        control.set_stage(index, "ended")  # Its process may end now; one that ends before this died.
+        if control.progress[rank]:  # Its process may end now; one that ends before this died.
+            control.set_stage(rank, "ended")
 
 
 def main(argv=None):
@@ -858,6 +860,8 @@ class Control:
         self.ended = None  # the Exit of a run that the launcher ended
         self.signalled = (None, 0.0)  # the first stop signal, and when it came
         self.grace_ends = math.inf  # when a stop signal's grace is over
+        self.lock = threading.Lock()
+        self.verdict = None  # the Exit of a smoke verdict the launcher wrote
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
         keep = ("args", "out_dir", "folder", "in_process")
@@ -936,10 +940,9 @@ class Control:
                 elif time.monotonic() > self.deadline:
                     self.end(self.deadline_passed(replicas))
                 time.sleep(0.5)
-        except FileNotFoundError:
-            pass  # The folder goes when the run ends, and so does the watch.
-        except Exception as e:  # A bug here must not leave the run unwatched.
-            self.end(Exit(1, f"run control {report_bug(e)}"))
+        except Exception as e:  # A bug here must not leave the run unwatched. (The folder goes when the run ends.)
+            if os.path.isdir(self.folder):
+                self.end(Exit(1, f"run control {report_bug(e)}"))
 
     def why_replicas_ended(
         self,
@@ -964,30 +967,37 @@ class Control:
 
     def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and launch() raises `ended`.
         self.ended = ended
-        children = self.children()
-        if not children:  # A replica in this process cannot be killed: the process prints the line and exits.
+        if self.in_process:  # A replica in this process cannot be killed: the process prints the line and exits.
             shutil.rmtree(self.folder, ignore_errors=True)
             tell(self.out_dir, f"train_tpu.py: {ended.line}", sys.stderr)
             os._exit(ended.code)
-        for child in children:
+        for child in self.children():
             child.kill()
 
     def deadline_passed(self, replicas):  # The replicas furthest behind FAIL: the others wait for them in a collective.
-        if replicas and {stage for _, stage, _ in replicas.values()} <= {"done", "ended"}:  # a join or teardown hangs
-            passed = read_json(os.path.join(self.out_dir, "verdict.json"))["passed"]
-            return Exit(0 if passed else 5, "the replica processes outlived --smoke-timeout after the verdict: killed")
+        verdict = os.path.join(self.out_dir, "verdict.json")
+        if replicas and {stage for _, stage, _ in replicas.values()} <= {"done", "ended"} and os.path.exists(verdict):
+            code = 0 if read_json(verdict)["passed"] else 5  # The verdict is out; a join or a teardown hangs.
+            return Exit(code, "the replica processes outlived --smoke-timeout after the verdict: killed")
+        timeout = f"within --smoke-timeout {self.args.smoke_timeout:g} s"
+        started = {pid for pid, *_ in replicas.values()}
+        if silent := [str(pid) for pid in self.seen if pid not in started]:  # stuck before any replica of theirs set up
+            return self.for_smoke(Exit(5, f"replica process {' and '.join(silent)}: no runtime {timeout}"), "setup")
         behind = min((count for *_, count in replicas.values()), default=0)
         stuck = " and ".join(str(rank) for rank, (*_, count) in replicas.items() if count == behind) or "none started"
         stage = next((stage for _, stage, count in replicas.values() if count == behind), "setup")
-        line = f"replica {stuck} did not finish {stage} within --smoke-timeout {self.args.smoke_timeout:g} s"
-        return self.for_smoke(Exit(5, line), stage)
+        return self.for_smoke(Exit(5, f"replica {stuck} did not finish {stage} {timeout}"), stage)
 
     def for_smoke(self, ended, stage):  # --smoke ends in a verdict, whatever ends it: the checks done, a FAIL row.
         if not self.args.smoke:
             return ended
-        figure = ended.line.removeprefix("failed: ").removeprefix("error: ")
-        publish(self.out_dir, [*self.read("checks").get("checks", []), dict(name=stage, passed=False, figure=figure)])
-        return Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
+        with self.lock:  # The watch and exit_for() may both be here: one verdict.
+            if self.verdict is None:
+                figure = ended.line.removeprefix("failed: ").removeprefix("error: ")
+                checks = [*self.read("checks").get("checks", []), dict(name=stage, passed=False, figure=figure)]
+                publish(self.out_dir, checks)
+                self.verdict = Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
+            return self.verdict
 
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
         if self.ended is None and (found := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
@@ -1001,7 +1011,7 @@ class Control:
 
 def run_replica_process(local_rank, *args, **kwargs):
     """torch_xla's _run_thread_per_device starts the runtime (a chip held by another process fails there), then _mp_fn.
-    xmp.spawn's pool would pass an error on once the replicas before it returned, which wait for it: it reports now."""
+    xmp.spawn's pool raises in process order: an error here would wait behind replicas that wait for it. Report now."""
     try:
         return RUN_THREAD_PER_DEVICE(local_rank, *args, **kwargs)
     except Exception as e:
@@ -1014,7 +1024,7 @@ def run_replica_process(local_rank, *args, **kwargs):
 
 if REPLICA_PROCESS and XLA_IMPORT_ERROR is None:  # What a replica process sets up as it imports this file (see the top)
     RUN_THREAD_PER_DEVICE = pjrt._run_thread_per_device
-    pjrt._run_thread_per_device = run_replica_process  # xmp.spawn's pool looks it up here, by name
+    pjrt._run_thread_per_device = run_replica_process  # The pool's task names it by module and name: this one runs.
 
 
 # ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
@@ -1038,7 +1048,7 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
     failures = agree(run, failures)  # The largest over the replicas holds every row: each sent zeros in the others'.
     for check, column in zip(run.checks, failures.T, strict=True):
         where = column.nonzero().flatten().tolist()
-        if where and len(where) < run.world:  # (a check that names the replica itself fails everywhere alike)
+        if where and len(where) < run.world:  # A check that failed on every replica names the replica itself, if any.
             check["passed"] = False
             check["figure"] += f" | FAILED on replica(s) {where}"
     run.control.set_stage(run.rank, "done")  # The verdict is agreed: the launcher's is no longer needed.
@@ -1049,12 +1059,13 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
         raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
 
 
-def smoke_check(run, check):  # A PASS (True), FAIL (False) or SKIP (None), and its figure; the launcher's copy too.
+def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (None), kept in the run and the launcher's.
     name = check.__name__.removeprefix("check_")
     run.control.set_stage(run.rank, name)
     passed, figure = check(run)
     run.checks.append(dict(name=name, passed=passed, figure=figure))
-    run.control.write("checks", run.checks)  # (every replica's alike, but for the master's checkpoint read)
+    if run.master:
+        run.control.write("checks", run.checks)
 
 
 def check_devices(run):
@@ -1143,7 +1154,7 @@ def check_collectives(run):
     # Per replica, size and operation: 0 if its result is right, else 1 (+ for an all-gather, the part's source).
     found = torch.zeros(run.world, 3 * len(SIZES))
     for k, n in enumerate(SIZES):
-        sent = [(torch.arange(n) % 1024 + 1) * 64.0 + r for r in range(run.world)]  # what replica r sends, < 2**24
+        sent = [(torch.arange(n) % 16 + 1.0) * run.world + r for r in range(run.world)]  # r's: a sum < 2**24 to 990
         mine = sent[run.rank].to(run.device)
         got = [xm.all_reduce(xm.REDUCE_SUM, mine), xm.all_reduce(xm.REDUCE_MAX, mine), xm.all_gather(mine)]
         for j, (result, expected) in enumerate(zip(got, [sum(sent), sent[-1], torch.cat(sent)], strict=True)):
@@ -1205,7 +1216,7 @@ def replica_step(args, state, x, y, device):
     return program, torch.cat([t.flatten().float() for t in tensors]).cpu()
 
 
-def odd_ones(values):  # the replicas whose value differs from the majority's; all of them if there is none
+def odd_ones(values):  # the replicas whose value differs from the majority's; all of them if no strict majority
     common, count = collections.Counter(values).most_common(1)[0]
     if 2 * count <= len(values):
         return list(range(len(values)))
@@ -1241,7 +1252,7 @@ def tell(out_dir, line, stream=None):  # Prints a line, and keeps it in OUT/log.
     with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
         print(line, file=stream or sys.stdout, flush=True)
     if out_dir is not None:
-        with open(os.path.join(out_dir, "log.txt"), "a") as f:
+        with contextlib.suppress(OSError), open(os.path.join(out_dir, "log.txt"), "a") as f:  # (a full disk, say)
             f.write(line + "\n")
 
 
