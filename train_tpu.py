@@ -1223,7 +1223,7 @@ def odd_ones(values):  # the replicas whose value differs from the majority's; a
     return [r for r, value in enumerate(values) if value != common]
 
 
-SIZES = (1, 4096, 1 << 16)  # floats per replica in each collective that check_collectives makes
+SIZES = (1, 4096, 1 << 14)  # floats per replica in each collective that check_collectives makes
 CHECKS = (check_numerics, check_checkpoint, check_compilation, check_learning, check_collectives, check_replicas)
 
 
