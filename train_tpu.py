@@ -3,21 +3,13 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
   python train_tpu.py                              # a TPU VM: train on every core
   python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 5 if not
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
-  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU
-"""
+  PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
 import os
 import signal
 
-
-def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's after SIGTERM. Under nohup it stays ignored.
-    hangup = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
-    return [signal.SIGTERM, signal.SIGINT, *hangup]
-
-
 # A preemption signals every process; the launcher tells the replicas to save and stop. So a replica process sets a
-# handler before the slow imports, doing nothing while the launcher lives (a handler: over SIG_IGN libtpu kills,
-# pytorch/xla#8234).
+# handler before the slow imports, idle while the launcher lives (over SIG_IGN, libtpu kills: pytorch/xla#8234).
 REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
 if REPLICA_PROCESS:
 
@@ -25,8 +17,9 @@ if REPLICA_PROCESS:
         if str(os.getppid()) != os.environ["TRAIN_TPU_LAUNCHER"]:
             os._exit(128 + signum)
 
-    for signum in stop_signals():
-        signal.signal(signum, on_stop_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's stays ignored)
+            signal.signal(signum, on_stop_signal)
 # ruff: noqa: E402 (the imports follow those statements on purpose)
 
 import argparse
@@ -34,7 +27,6 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
-import importlib.metadata
 import itertools
 import json
 import math
@@ -444,7 +436,9 @@ def check_environment(args):
     if XLA_IMPORT_ERROR is not None:
         why = f"{type(XLA_IMPORT_ERROR).__name__}: {first_line(XLA_IMPORT_ERROR)}"
         raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
-    xla = importlib.metadata.version("torch_xla")
+    from importlib.metadata import version
+
+    xla = version("torch_xla")
     if xla.split(".")[:2] != torch.__version__.split(".")[:2]:  # torch_xla's C++ is built for one torch release.
         raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
     chips = tpu.num_available_chips()  # It reads the PCI bus, without starting the runtime.
@@ -841,6 +835,11 @@ def tolerance(run, other_device="CPU", bf16=False):
 
 
 # ---- run control: stop signals, and a replica that fails or dies -----------------------------------------------------
+def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's after SIGTERM. Under nohup it stays ignored.
+    hangup = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGTERM, signal.SIGINT, *hangup]
+
+
 STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU VM has about 30.
 
 
