@@ -1920,3 +1920,19 @@ def test_two_replicas_that_differ_are_both_named_and_eager_pytorch_says_which_is
         "eager CPU is further from replica 1 (5.0e-01)",
     )
     assert tt.odd_ones(["a", "b", "a"]) == [1] and tt.odd_ones(["a", "b"]) == [0, 1] and tt.odd_ones(["a"] * 3) == []
+
+
+def test_the_deadline_names_a_replica_process_whose_runtime_never_started(tmp_path):
+    """Its replicas set no stage, and the others wait for it: the deadline names its process, in setup."""
+    control = tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 7]), str(tmp_path))  # (not entered: no watch)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(2,))
+    child.start()
+    control.write("replica-0", [os.getpid(), "training", 3])  # another replica, waiting for it
+    control.why_replicas_ended()  # the watch sees the child alive
+    ended = control.deadline_passed(control.replicas())
+    child.join()
+    line = f"replica process {child.pid}: no runtime within --smoke-timeout 7 s"
+    assert (ended.code, ended.line) == (5, f"failed: smoke verdict FAIL: setup: {line}")
+    assert json.loads((tmp_path / "verdict.json").read_text())["checks"] == [
+        dict(name="setup", passed=False, figure=line)
+    ]
