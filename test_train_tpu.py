@@ -6,6 +6,7 @@ are started together, two at a time, the first time a test needs one (the `runs`
 5 s of imports, so the runs are few and each serves several tests.
 """
 
+import collections
 import json
 import multiprocessing
 import os
@@ -343,6 +344,13 @@ def group(command, cwd, when, environ, timeout=300, delay=0, signals=(signal.SIG
     return p.returncode, "".join(out) + rest, err, True, after_fault
 
 
+PACED = """
+real_optimizer_step = xm.optimizer_step
+def optimizer_step(*args, **kwargs):  # 0.2 s a step: the stop lands within epoch 2 on a loaded machine too
+    time.sleep(0.2)
+    return real_optimizer_step(*args, **kwargs)
+xm.optimizer_step = optimizer_step
+"""
 HANGUP = (signal.SIGTERM, signal.SIGHUP)  # a VM's shutdown: SIGTERM to every process, then SIGHUP to a session's
 SLOW_MASTER = """
 real_save, real_publish = xm.save, tt.publish
@@ -515,6 +523,7 @@ def started(tmp_path_factory):
         return
     root = tmp_path_factory.mktemp("runs")
     train_tpu = [sys.executable, "-u", os.path.join(HERE, "train_tpu.py")]
+    yours_folder = two_edits(root / "yours")  # (once, before two runs start in it)
 
     def straight():  # the uninterrupted run; continued under SPMD (a conversion); and back again
         return (
@@ -559,7 +568,7 @@ def started(tmp_path_factory):
         return code, err, sorted(os.listdir(root / out)), cli("--resume", out, "--cores", 1, cwd=root)
 
     def stopped_over_ssh():  # SIGTERM, then SIGHUP, to the group, its stdout read by a tee there; then resumed
-        command = train_tpu + [*map(str, STRAIGHT), "--out-dir", "stop-SIGTERM"]
+        command = train_tpu + [*map(str, STRAIGHT), "--out-dir", "stop-SIGTERM", "--workers", "2"]  # (forked workers)
         code, out, err, _, _ = group(command, root, "epoch 1 done", env(), signals=HANGUP, tee=True)
         return (
             code,
@@ -576,7 +585,7 @@ def started(tmp_path_factory):
             *WORLD_RUN,
             "--out-dir",
             "two",
-            patch=SLOW_MASTER,
+            patch=SLOW_MASTER + PACED,
             when="epoch 2 step 2/",
             signals=HANGUP,
             tee=True,
@@ -660,7 +669,8 @@ def started(tmp_path_factory):
         "tampered": lambda: tampered(root),
         "busy": lambda: cli("--cores", 1, "--data", "synthetic", "--out-dir", "busy", cwd=root, patch=BUSY),
         "static": lambda: cli(*LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta", cwd=root),
-        "two_edits": lambda: two_edits(root / "adapted"),
+        "yours": lambda: yours(root),
+        "yours_world": lambda: world(yours_folder, "processes", "--smoke", *YOURS, "--out-dir", "world"),
         "group": lambda: group(
             train_tpu + ["--data", "synthetic", "--epochs", "1", "--log-steps", "10", "--out-dir", "group"],
             root,
@@ -820,8 +830,7 @@ def write_idx_mnist(root, n_train, n_test):
 def test_mnist_files_are_read_as_uint8_and_scaled_as_torchvision_would(tmp_path):
     write_idx_mnist(tmp_path, 300, 100)
     args = tt.parse_args(["--data-dir", str(tmp_path)])
-    tt.prepare_data(args)  # finds the files: no download
-    images, labels = tt.load_split(args, train=False)
+    images, labels = tt.dataset(args, train=False).tensors  # the files found: no download
     assert torch.equal(images, tt.synthetic_digits(100, 12)[0]) and torch.equal(labels, tt.synthetic_digits(100, 12)[1])
     normalize = torchvision.transforms.Normalize((0.1307,), (0.3081,))
     expected = torch.stack([normalize(torchvision.transforms.functional.to_tensor(p[0].numpy())) for p in images[:8]])
@@ -831,38 +840,43 @@ def test_mnist_files_are_read_as_uint8_and_scaled_as_torchvision_would(tmp_path)
 
 
 def fake_run(world, rank, batch, seed=3):
-    return types.SimpleNamespace(world=world, rank=rank, load_batch=batch, args=tt.parse_args(["--seed", seed]))
+    return types.SimpleNamespace(
+        world=world, rank=rank, load_batch=batch, args=tt.parse_args(["--seed", seed, "--data", "synthetic"])
+    )
 
 
-def test_each_epoch_reshuffles_into_disjoint_shards_that_cover_the_set():
-    images, labels = torch.zeros(1000, 1, 2, 2, dtype=torch.uint8), torch.arange(1000)
-    orders = {}
-    for epoch in (1, 2):
-        seen = []
-        for rank in range(4):
-            loader, shard = tt.train_loader(fake_run(4, rank, 25), images, labels)
-            shard.set_epoch(epoch)
-            batches = [b["label"] for b in loader]
-            assert all(len(b) == 25 for b in batches) and len(batches) == 10
-            seen += torch.cat(batches).tolist()
-        assert sorted(seen) == list(range(1000))  # every sample once, over the 4 replicas
-        orders[epoch] = seen
-    assert orders[1] != orders[2]  # a new order each epoch
-    again, shard = tt.train_loader(fake_run(4, 0, 25), images, labels)
-    shard.set_epoch(2)
-    assert torch.cat([b["label"] for b in again]).tolist() == orders[2][:250]  # the same shuffle, again
+def test_in_memory_data_comes_in_whole_batches_in_the_order_given_as_sample_by_sample_collation_would():
+    data = tt.InMemory(torch.randint(0, 256, (100, 1, 2, 2), dtype=torch.uint8), torch.arange(100))
+    order = torch.randperm(100).tolist()
+    fast = list(tt.loader(fake_run(1, 0, 16), data, order, drop_last=True))  # one indexing per batch
+    plain = list(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data.tensors), 16, sampler=order))
+    assert len(fast) == 6 and len(plain) == 7  # drop_last: whole batches only
+    assert all(torch.equal(a, b) for f, p in zip(fast, plain[:6], strict=True) for a, b in zip(f, p, strict=True))
+    assert torch.cat([y for x, y in fast]).tolist() == order[:96]
+
+
+class Counted(torch.utils.data.Dataset):  # any Dataset: each sample read is counted
+    def __init__(self, n):
+        self.n, self.reads = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return torch.full((1, 2, 2), float(i)), i
 
 
 @pytest.mark.parametrize("world, batch", [(1, 16), (2, 7), (3, 64), (4, 1000)])
 def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, batch):
-    images, labels = torch.zeros(1003, 1, 2, 2, dtype=torch.uint8), torch.arange(1003)
-    counted, lengths = [], set()
+    data = Counted(1003)  # any Dataset
+    counted = []
     for rank in range(world):
-        batches = list(tt.test_loader(fake_run(world, rank, batch), images, labels))
-        lengths.add(len(batches))
-        assert all(len(b["label"]) == batch for b in batches)  # one shape: one graph
-        counted += [int(label) for b in batches for label, v in zip(b["label"], b["valid"], strict=True) if v]
-    assert sorted(counted) == list(range(1003)) and len(lengths) == 1  # the same batches on every replica
+        run = fake_run(world, rank, batch)
+        batches = list(tt.padded(run, tt.loader(run, data, range(rank, len(data), world))))  # as train() makes it
+        assert all(len(x) == len(y) == len(v) == batch for x, y, v in batches)  # one shape: one graph
+        counted += [int(label) for x, y, v in batches for label, valid in zip(y, v, strict=True) if valid]
+    assert sorted(counted) == list(range(1003)) and sorted(data.reads) == list(range(1003))  # each read once
 
 
 # ---- flags and the environment, refused in one line before any device starts (in this process) --------------------
@@ -904,11 +918,14 @@ def test_out_dir_under_a_file_and_one_that_holds_a_run_exit_2(tmp_path, capsys, 
 def test_missing_mnist_that_cannot_be_downloaded_exits_2(tmp_path, monkeypatch):
     def no_network(root, train, download):
         if download:
-            raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+            raise RuntimeError("Error downloading train-images-idx3-ubyte.gz\nTried https://...")
 
     monkeypatch.setattr(torchvision.datasets, "MNIST", no_network)
-    with pytest.raises(tt.Exit, match="MNIST is not in --data-dir .* use --data synthetic"):
-        tt.prepare_data(tt.parse_args(["--data-dir", str(tmp_path)]))
+    monkeypatch.setattr(tt, "check_environment", lambda args: ("CPU", 1, 1))
+    words = "error: cannot read the dataset in --data-dir {}: Error downloading train-images-idx3-ubyte.gz"
+    with pytest.raises(tt.Exit, match=re.escape(words.format(tmp_path))) as e:
+        tt.prepare(tt.parse_args(["--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "run")]))
+    assert e.value.code == 2 and "\n" not in e.value.line
 
 
 def test_mismatched_torch_and_torch_xla_and_a_tpu_that_is_not_there_exit_2(monkeypatch):
@@ -1207,8 +1224,8 @@ def test_the_numerics_check_compares_one_set_of_weights_whatever_your_initialisa
         return tt.ToyModel()
 
     monkeypatch.setattr(tt, "build_model", build_model)
-    run = types.SimpleNamespace(args=tt.parse_args(["--data", "synthetic"]), device=torch.device("cpu"), load_batch=8)
-    run.kind = "CPU"
+    run = fake_run(1, 0, 8)
+    vars(run).update(kind="CPU", device=torch.device("cpu"), test=tt.loader(run, tt.dataset(run.args, False), []))
     passed, figure = tt.check_numerics(run)
     assert passed and "logits 0.0e+00" in figure, figure  # the same weights on both sides: identical logits
 
@@ -1283,8 +1300,9 @@ def test_a_stops_checkpoint_is_checked_on_resume_by_one_test_batchs_logits_again
     torch.manual_seed(0)
     saved = tt.ToyModel().state_dict()
     ckpt = dict(test_loss=None, model=saved, device="CPU", settings={})
-    run = types.SimpleNamespace(args=tt.parse_args(["--data", "synthetic"]), device=torch.device("cpu"), load_batch=8)
-    vars(run).update(kind="CPU", say=lambda line: None, model=tt.ToyModel())
+    run = fake_run(1, 0, 8)
+    vars(run).update(kind="CPU", say=lambda line: None, model=tt.ToyModel(), device=torch.device("cpu"))
+    run.test = tt.loader(run, tt.dataset(run.args, False), [])  # (the checks read its dataset)
     run.model.load_state_dict(saved)
     assert tt.verify(run, "c.pt", ckpt) is None  # the same weights: the same logits
     with torch.no_grad():
@@ -1357,7 +1375,7 @@ def test_a_run_learns_logs_every_step_and_keeps_its_newest_two_checkpoints(runs)
         plain["epoch"] == 3 and plain["test_loss"] == m["epochs"][-1]["test_loss"] and m["epochs"][-1]["accuracy"] > 90
     )
     accuracy = plain["epochs"][-1]["accuracy"]
-    assert f"test loss {plain['test_loss']:.4f} | accuracy {accuracy:.2f}% (5,000 samples)" in r.stdout
+    assert f"test loss {plain['test_loss']:.4f} | accuracy {accuracy:.2f}% (2,000 samples)" in r.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(out)).Reload()
@@ -1519,9 +1537,9 @@ def test_a_runtime_that_cannot_start_exits_2_with_its_first_line(runs):
 
 def test_spmd_shards_every_field_of_every_batch_along_the_mesh(runs):
     shardings = [line for line in runs["smoke_spmd"].stdout.splitlines() if line.startswith("SHARDING")]
-    assert shardings[0] == "SHARDING {'image': '{devices=[2,1,1,1]0,1}', 'label': '{devices=[2]0,1}'}"
+    assert shardings[0] == "SHARDING {'input': '{devices=[2,1,1,1]0,1}', 'label': '{devices=[2]0,1}'}"
     assert (
-        "SHARDING {'image': '{devices=[2,1,1,1]0,1}', 'label': '{devices=[2]0,1}', 'valid': '{devices=[2]0,1}'}"
+        "SHARDING {'input': '{devices=[2,1,1,1]0,1}', 'label': '{devices=[2]0,1}', 'valid': '{devices=[2]0,1}'}"
         in shardings
     )  # the test set's batches too
 
@@ -1537,7 +1555,7 @@ def test_static_layerdrop_compiles_one_graph(runs):  # (dynamic layerdrop: the w
 FIT_SMOKE = """
 import json, torch, train_tpu as tt
 r = tt.fit("--smoke", "--cores", 1, "--steps-per-epoch", 20, "--out-dir", "fit")
-images, labels = tt.load_split(tt.parse_args(["--data", "synthetic"]), train=False)
+images, labels = tt.dataset(tt.parse_args(["--data", "synthetic"]), train=False).tensors
 with torch.no_grad():
     accuracy = 100 * (r.model(tt.model_input(images)).argmax(1) == labels).float().mean().item()
 losses = [h["loss"] for h in r.history]
@@ -1587,7 +1605,7 @@ def eager_two_replicas(epochs_and_steps, batch=16, seed=5):
     two (as xm.optimizer_step's all-reduce does), one SGD step: the model after the given (epoch, steps) pairs, its
     optimizer, and replica 0's loss at each step (what the master logs)."""
     args = tt.parse_args([str(a) for a in WORLD_RUN])
-    images, labels = tt.load_split(args, train=True)
+    images, labels = tt.dataset(args, train=True).tensors
     shards = [DistributedSampler(range(len(labels)), 2, rank, seed=seed, drop_last=True) for rank in (0, 1)]
     torch.manual_seed(seed)
     model = tt.ToyModel()
@@ -1610,7 +1628,7 @@ def eager_two_replicas(epochs_and_steps, batch=16, seed=5):
 
 def eager_test(model, args):
     """The test loss and accuracy (%) of `model` over the whole test set, in eager PyTorch."""
-    images, labels = tt.load_split(args, train=False)
+    images, labels = tt.dataset(args, train=False).tensors
     with torch.no_grad():
         logits = model(tt.model_input(images))
     return F.cross_entropy(logits, labels).item(), 100 * (logits.argmax(1) == labels).float().mean().item()
@@ -1665,7 +1683,7 @@ def test_resumed_two_replicas_train_and_evaluate_as_eager_pytorch_until_replica_
     assert saved["test_loss"] == pytest.approx(loss, abs=1e-5) and saved["epochs"][-1]["accuracy"] == pytest.approx(
         accuracy, abs=1e-3
     )
-    assert f"epoch 2 done | test loss {loss:.4f} | accuracy {accuracy:.2f}% (5,000 samples)" in out  # both shards
+    assert f"epoch 2 done | test loss {loss:.4f} | accuracy {accuracy:.2f}% (2,000 samples)" in out  # both shards
 
 
 def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_writes_late_after_a_stop_signal(runs):
@@ -1691,7 +1709,7 @@ def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_wri
     model = tt.ToyModel()
     model.load_state_dict(final(runs["root"] / "two-smoke")["model"])
     loss, accuracy = eager_test(model, tt.parse_args(["--data", "synthetic"]))
-    assert f"epoch 2 done | test loss {loss:.4f} | accuracy {accuracy:.2f}% (5,000 samples)" in out
+    assert f"epoch 2 done | test loss {loss:.4f} | accuracy {accuracy:.2f}% (2,000 samples)" in out
     assert len(re.findall(r"compiles in this process .* CPU fallback ops: none\n", out)) == 2
 
 
@@ -1770,7 +1788,7 @@ def test_two_replica_processes_with_compiling_all_reduces_pass_the_smoke_test_wi
     assert code == 0 and not left, err[-3000:]
     assert "smoke verdict: PASS" in out and "2 devices, a replica each | global batch 256" in out
     assert "  PASS  compilation  0 graphs compiled after warm-up, the most in any process (allowed 0)" in out
-    assert out.count("recompiles after warm-up 0 |") == 2 and "(5,000 samples)" in out
+    assert out.count("recompiles after warm-up 0 |") == 2 and "(2,000 samples)" in out
 
 
 def test_sigterm_to_the_group_while_replica_processes_import_torch_is_a_stop_with_nothing_trained(runs):
@@ -1832,50 +1850,110 @@ def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(r
 
 
 # ---- your own data and model: two edits ----------------------------------------------------------------------------
-YOUR_DATA = """def load_split(args, train):  # colour patches, 3 x 16 x 16: the class is the brighter channel
-    g = torch.Generator().manual_seed(0 if train else 1)
-    labels = torch.randint(0, 3, (4096 if train else 1000,), generator=g)
-    images = torch.randn(len(labels), 3, 16, 16, generator=g)
-    images[torch.arange(len(labels)), labels] += 1.0
-    return images, labels
+YOUR_DATA = """def dataset(args, train):  # PNG files, a folder per class, 3 x 32 x 32, through transforms
+    import torchvision.transforms as T
+    from torchvision.datasets import ImageFolder
 
-def model_input(images):
-    return images  # float already
+    to_input = T.Compose([T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
+    return ImageFolder(os.path.join(args.data_dir, "train" if train else "test"), to_input)
 
-def prepare_data(args):
-    pass  # in memory: nothing to download
+
+def model_input(x):
+    return x  # float already: its transforms made it
+
 
 """
-YOUR_MODEL = """class PatchNet(nn.Module):
+YOUR_MODEL = """class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 16 * 16, 3)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 8 * 8, 3)
 
     def forward(self, x):
-        return self.head(torch.flatten(F.relu(self.conv(x)), 1))
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(torch.flatten(x, 1))
+
 
 def build_model(args):
-    return PatchNet()
+    return SmallCNN()
+
 
 """
+YOURS = ["--data-dir", "pngs", "--batch-size", 16, "--workers", 2]  # 480 PNGs: 15 steps of 32 samples per epoch
+READS = """
+import torchvision
+real_getitem = torchvision.datasets.DatasetFolder.__getitem__
+def getitem(self, index):  # each sample read, by the run or a DataLoader worker of its: its file, a line each
+    with open("reads.txt", "a") as f:
+        f.write(self.samples[index][0] + "\\n")
+    return real_getitem(self, index)
+torchvision.datasets.DatasetFolder.__getitem__ = getitem
+"""
+
+
+def write_pngs(root, n, seed):
+    """ROOT/<class>/<i>.png, 3 classes: 3 x 32 x 32 noise with a square of the class's colour somewhere."""
+    import PIL.Image
+
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        pixels = rng.integers(0, 100, (32, 32, 3), dtype=np.uint8)
+        top, left = rng.integers(0, 21, 2)
+        pixels[top : top + 12, left : left + 12, i % 3] = 250
+        (root / str(i % 3)).mkdir(parents=True, exist_ok=True)
+        PIL.Image.fromarray(pixels).save(root / str(i % 3) / f"{i:04d}.png")
 
 
 def two_edits(folder):
-    """A copy of train_tpu.py with its two "your own" sections replaced, and nothing else: a smoke run."""
+    """A copy of train_tpu.py with its two "your own" sections replaced, and nothing else, beside its PNG files."""
     source = Path(HERE, "train_tpu.py").read_text()
     for banner, text in (("data: your own", YOUR_DATA), ("model: your own", YOUR_MODEL)):
         start = source.index("\n", source.index("# ---- " + banner)) + 1
         source = source[:start] + text + source[source.index("\n# ---- ", start) + 1 :]
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "train_tpu.py").write_text(source)
-    command = [sys.executable, "train_tpu.py", "--cores", "1", "--smoke", "--steps-per-epoch", "10", "--out-dir", "run"]
-    return subprocess.run(command, cwd=folder, env=env(PYTHONPATH=folder), capture_output=True, text=True, timeout=600)
+    if not (folder / "pngs").exists():
+        write_pngs(folder / "pngs" / "train", 480, seed=1)
+        write_pngs(folder / "pngs" / "test", 96, seed=2)
+    return folder
 
 
-def test_two_edits_train_your_own_model_through_the_smoke_test(runs):
-    r = ok(runs["two_edits"])
-    assert "smoke verdict: PASS" in r.stdout  # every check: numerics, the checkpoint read back, learning
-    assert final(str(runs["root"] / "adapted" / "run"))["epochs"][-1]["accuracy"] > 90
+def yours(root):
+    """The copy: --smoke under SPMD, saving every 5 steps; then a run resumed from its checkpoint at epoch 2 step 10."""
+    folder = root / "yours"
+    smoke = cli(
+        "--smoke", "--spmd", "--cores", 2, *YOURS, "--save-steps", 5, "--out-dir", "smoke", cwd=folder, patch=""
+    )
+    mid = tt.checkpoints(str(folder / "smoke"))[0]  # the older of the two kept
+    argv = ["--resume", mid, "--spmd", "--cores", 2, "--workers", 2, "--out-dir", "resumed"]
+    return smoke, mid, cli(*argv, cwd=folder, patch=READS)
+
+
+def test_your_own_dataset_and_model_train_to_the_target_and_pass_the_smoke_test_under_spmd_and_in_two_processes(runs):
+    smoke = ok(runs["yours"][0])
+    assert "2 devices, SPMD" in smoke.stdout and "smoke verdict: PASS" in smoke.stdout
+    assert final(runs["root"] / "yours" / "smoke")["epochs"][-1]["accuracy"] >= 90  # the smoke's target
+    code, out, err, *_ = runs["yours_world"]
+    assert code == 0 and "2 devices, a replica each" in out and "smoke verdict: PASS" in out, out[-2000:] + err[-2000:]
+    verdict = json.loads((runs["root"] / "yours" / "world" / "verdict.json").read_text())
+    assert [c["passed"] for c in verdict["checks"]] == [None, True, True, True, True, True, True]  # (devices: CPU)
+
+
+def test_your_own_dataset_resumed_mid_epoch_reads_none_of_the_samples_done_and_ends_as_the_uninterrupted_run(runs):
+    _, mid, resumed = runs["yours"]
+    assert os.path.basename(mid) == "checkpoint-0002-000000320" and "after step 10" in ok(resumed).stdout
+    folder = runs["root"] / "yours"
+    same_run(folder / "smoke", folder / "resumed")
+    read = collections.Counter(Path(p).parts[-3:] for p in (folder / "reads.txt").read_text().split())
+    pngs = torchvision.datasets.ImageFolder(folder / "pngs" / "train")
+    shard = DistributedSampler(pngs, 1, 0, seed=0, drop_last=True)
+    shard.set_epoch(2)
+    rest = [Path(pngs.samples[i][0]).parts[-3:] for i in list(shard)[10 * 32 :]]  # the samples of steps 11 to 15
+    assert {p: n for p, n in read.items() if p[0] == "train"} == dict.fromkeys(rest, 1)
+    tests = {p: n for p, n in read.items() if p[0] == "test"}  # the resume check's evaluation, and epoch 2's
+    assert len(tests) == 96 and set(tests.values()) == {2}
 
 
 # ---- the smoke test's replicas and collectives checks: a chip that computes wrong, a collective that sums wrong -----
@@ -1903,8 +1981,8 @@ def test_the_replicas_and_collectives_checks_name_replica_1_for_each_fault_and_p
 
 def test_two_replicas_that_differ_are_both_named_and_eager_pytorch_says_which_is_further_off(monkeypatch):
     """No majority among two: replica 1's results are further from eager PyTorch's (a made-up table, here)."""
-    run = types.SimpleNamespace(world=2, rank=0, args=tt.parse_args(["--data", "synthetic"]), load_batch=8)
-    run.device = torch.device("cpu")
+    run = fake_run(2, 0, 8)
+    vars(run).update(device=torch.device("cpu"), test=tt.loader(run, tt.dataset(run.args, False), []))
 
     def agree(run, table):  # replica 1's rows: the same program, other results, further from eager
         table[1] = table[0]

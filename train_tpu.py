@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, StackDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
 from torch.utils.tensorboard import SummaryWriter
 
 USER_DEVICE = os.environ.get("PJRT_DEVICE")  # PJRT_DEVICE as the user set it: `import torch_xla` sets it if unset.
@@ -73,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=128, help="samples per device per step")
     p.add_argument("--lr", type=float, default=0.05, help="as given: not scaled by the number of devices")
@@ -102,32 +103,23 @@ def parse_args(argv=None):
 
 
 # ---- data: your own goes here (edit 1 of 2) --------------------------------------------------------------------------
-def load_split(args, train, download=False):
-    """One split as in-memory tensors: uint8 images (N, 1, 28, 28) and labels (N,)."""
+def dataset(args, train):
+    """One split: any map-style torch Dataset of (input, label) samples, torchvision's with their transforms too."""
     if args.data == "synthetic":
-        return synthetic_digits(30_000 if train else 5_000, seed=1235 if train else 1234)
+        return InMemory(*synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234))
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
-    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=download)
-    return mnist.data.unsqueeze(1), mnist.targets  # Read once: no PIL image and no transform per sample.
+    with quietly():  # torchvision prints every download attempt. It downloads only what --data-dir lacks.
+        mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
+    return InMemory(mnist.data.unsqueeze(1), mnist.targets)  # uint8 (N, 1, 28, 28): no PIL image, no transform
 
 
-def model_input(images):
-    """On the device: the host sends uint8 pixels (a quarter of float32's bytes), scaled here as Normalize() would."""
-    if images.dtype != torch.uint8:  # load_split was replaced and this was not: never rescale floats silently.
-        raise TypeError(f"model_input expects uint8 pixels, got {images.dtype}: replace it too")
-    return (images.float() / 255 - 0.1307) / 0.3081
-
-
-def prepare_data(args):  # Once, before any replica starts, so that replicas never race to download MNIST.
-    if args.data == "mnist":
-        try:
-            with quietly():  # torchvision prints every attempt.
-                for train in (True, False):
-                    load_split(args, train, download=True)
-        except Exception as e:
-            why = f"MNIST is not in --data-dir {args.data_dir}, and its download failed ({type(e).__name__})"
-            raise Exit(2, f"error: {why}: copy it there, or use --data synthetic") from e
+def model_input(x):
+    """A batch's input as the model takes it, on the device: MNIST's uint8 pixels (a quarter of float32's bytes) are
+    scaled here, as Normalize() would. If your Dataset's transforms return floats, return x."""
+    if x.dtype != torch.uint8:  # The Dataset was replaced and this was not: never rescale floats silently.
+        raise TypeError(f"model_input expects uint8 pixels, got {x.dtype}: replace it too")
+    return (x.float() / 255 - 0.1307) / 0.3081
 
 
 # ---- model: your own goes here (edit 2 of 2) -------------------------------------------------------------------------
@@ -169,29 +161,32 @@ def build_model(args):
 
 
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
-def train_loader(run, images, labels):
-    """This replica's shard of the training set in whole batches (so every step has one shape), and its sampler."""
-    data = StackDataset(image=images, label=labels)
-    shard = DistributedSampler(data, run.world, run.rank, seed=run.args.seed, drop_last=True)
-    # The sampler yields a batch of indices at once, and batch_size=None hands it to the dataset whole: one indexing.
-    return DataLoader(data, sampler=BatchSampler(shard, run.load_batch, drop_last=True), batch_size=None), shard
+def loader(run, data, order, drop_last=False):
+    """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
+    whole = default_convert if isinstance(data, InMemory) else None  # InMemory's batches need no collating.
+    # Forked, as on Linux by default; in xmp.spawn's processes, spawned workers would import this file anew: 7 CPU-s.
+    fork = "fork" if run.args.workers and sys.platform == "linux" else None
+    workers = dict(num_workers=run.args.workers, worker_init_fn=worker_start, multiprocessing_context=fork)
+    return DataLoader(data, run.load_batch, sampler=order, drop_last=drop_last, collate_fn=whole, **workers)
 
 
-def on_device(run, loader, skip=0, stop=None):
-    """Batches `skip` to `stop` of the loader, on the device. MpDeviceLoader copies the next batch while a step runs,
-    and cuts the step's graph when it hands out a batch. Under SPMD it shards each field (docs: perf/spmd_advanced)."""
+def on_device(run, batches, stop=None):
+    """The first `stop` batches on the device, as {"input", "label"(, "valid")}. MpDeviceLoader copies the next while a
+    step runs, and cuts the step's graph as it hands one out. Under SPMD it splits each along the batch axis."""
+    batches = (dict(zip(("input", "label", "valid"), b, strict=False)) for b in itertools.islice(batches, stop))
     spec = None
-    if run.mesh is not None:  # Each field is split along its first axis (the batch) and replicated along the others.
-        fields = loader.dataset.datasets.items()  # StackDataset keeps its fields, {name: tensor}, in .datasets.
-        spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in fields}
-    return pl.MpDeviceLoader(itertools.islice(loader, skip, stop), run.device, input_sharding=spec)
+    if run.mesh is not None:  # The first batch tells each field's axes (docs: perf/spmd_advanced).
+        first = next(batches)
+        batches = itertools.chain([first], batches)
+        spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in first.items()}
+    return pl.MpDeviceLoader(batches, run.device, input_sharding=spec)
 
 
 # ---- the step and evaluation -----------------------------------------------------------------------------------------
 def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device until MpDeviceLoader cuts the graph.
     run.optimizer.zero_grad()
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=run.args.bf16):  # --bf16 (docs: perf/amp)
-        x = model_input(batch["image"])
+        x = model_input(batch["input"])
         logits = run.model(x) if keep is None else run.model(x, keep)  # Your own model need not take `keep`.
         loss = F.cross_entropy(logits, batch["label"])
     loss.backward()
@@ -207,8 +202,8 @@ def evaluate(run):
     run.model.eval()
     totals = torch.zeros(3, device=run.device)  # the loss summed, the hits, the samples
     with torch.no_grad():
-        for b in on_device(run, run.test):
-            logits = run.model(model_input(b["image"]))
+        for b in on_device(run, padded(run, run.test)):
+            logits = run.model(model_input(b["input"]))
             loss = F.cross_entropy(logits, b["label"], reduction="none")
             hits = (logits.argmax(1) == b["label"]).float()
             valid = b["valid"]  # 0 for the padding, whose loss and hits must not count
@@ -253,11 +248,11 @@ class Run:
             tell(self.out_dir, line)
 
 
-def train_epoch(run, loader, epoch, skip):
+def train_epoch(run, batches, epoch, skip):
     """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint."""
     run.log.start_epoch(epoch, skip)
     step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
-    for step, batch in enumerate(on_device(run, loader, skip=skip, stop=run.steps), start=skip + 1):
+    for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
         run.log.add(step, loss)
         checkpoint_or_stop(run, epoch, step)  # Stops if a signal came (seen at log boundaries); saves per --save-steps.
@@ -272,9 +267,10 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     broadcast_weights(run)  # A safeguard: every replica takes the master's, should your model's init ignore the seed.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
-    loader, sampler = train_loader(run, *load_split(args, train=True))
-    run.test = test_loader(run, *load_split(args, train=False))
-    run.steps = min(len(loader), args.steps_per_epoch or len(loader))
+    data, test = dataset(args, train=True), dataset(args, train=False)
+    shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
+    run.test = loader(run, test, range(run.rank, len(test), run.world))  # every world-th sample: each counts once
+    run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
@@ -284,8 +280,9 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     run.control.set_stage(run.rank, "training")  # The launcher's stop signal now saves at a boundary, not ends at once.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
-            sampler.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
-            train_epoch(run, loader, epoch, skip)
+            shard.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
+            order = list(shard)[skip * run.load_batch :]  # A resumed epoch starts after the samples done: none is read.
+            train_epoch(run, loader(run, data, order, drop_last=True), epoch, skip)
             skip = 0
     finally:
         run.log.close()  # TensorBoard writes its last scalars, on a stop too.
@@ -408,13 +405,17 @@ def prepare(args):
     if args.spmd and kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
     out_dir = prepare_out_dir(args, hosts)
-    prepare_data(args)
+    try:  # Once, before any replica starts: replicas never race to download, and a missing dataset exits 2 here.
+        for train in (True, False):
+            dataset(args, train)
+    except Exception as e:
+        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     return kind, out_dir
 
 
 RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
     (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
-    (("seed", "max_recompiles", "target_accuracy"), ">= 0", lambda v: v >= 0),
+    (("seed", "max_recompiles", "target_accuracy", "workers"), ">= 0", lambda v: v >= 0),
     (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
     (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
     (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
@@ -471,9 +472,7 @@ def check_environment(args):
 
 def prepare_out_dir(args, hosts):
     """Makes the run folder. Every host does: ordinal 0, which writes, need not be on host 0 (torch_xla/runtime.py)."""
-    resumed = None
-    if args.resume:
-        resumed = os.path.dirname(os.path.abspath(find_checkpoint(args.resume)))
+    resumed = os.path.dirname(os.path.abspath(find_checkpoint(args.resume))) if args.resume else None
     if args.out_dir is None and hosts > 1 and resumed is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -496,8 +495,7 @@ def start_replica(args, kind, out_dir, control):
         run.devices = xr.global_runtime_device_count()
         run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
     else:
-        run.world = xr.world_size()
-        run.rank = xr.global_ordinal()
+        run.world, run.rank = xr.world_size(), xr.global_ordinal()
         run.master = run.rank == 0
         run.devices = run.world
     run.global_batch = args.batch_size * run.devices
@@ -512,8 +510,7 @@ class Exit(Exception):
 
     def __init__(self, code, line):
         super().__init__(code, line)  # An exception pickles as its args: xmp.spawn pickles a replica process's Exit.
-        self.code = code
-        self.line = line
+        self.code, self.line = code, line
 
     def __str__(self):
         return self.line
@@ -535,7 +532,7 @@ def first_line(e):  # (its type's name if the message is empty)
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-# ---- a replica's first weights, its share of the test set, and layerdrop's coins ------------------------------------
+# ---- a replica's first weights, the loaders' pieces, and layerdrop's coins ------------------------------------------
 def initial_model(args):
     """The model's first weights come from --seed alone, so they are the same on every replica and in every run."""
     with ONE_REPLICA_AT_A_TIME:  # TPU v2/v3 run two replica threads, which share the global RNG.
@@ -552,16 +549,27 @@ def broadcast_weights(run):
     torch_xla.sync()
 
 
-def test_loader(run, images, labels):
-    """This replica's share of the test set, padded with samples marked valid=0, so that every replica runs the same
-    number of batches of one shape and each test sample counts exactly once over the replicas."""
-    index = torch.arange(run.rank, len(labels), run.world)  # every world-th sample, from this replica's rank
-    share = math.ceil(len(labels) / run.world)  # the largest share of any replica
-    size = math.ceil(share / run.load_batch) * run.load_batch  # rounded up to whole batches
-    valid = (torch.arange(size) < len(index)).float()
-    index = torch.cat([index, index.new_zeros(size - len(index))])  # The padding repeats sample 0.
-    data = StackDataset(image=images[index], label=labels[index], valid=valid)
-    return DataLoader(data, sampler=BatchSampler(range(size), run.load_batch, drop_last=False), batch_size=None)
+class InMemory(TensorDataset):
+    """Tensors in memory. DataLoader asks for a batch's samples at once (__getitems__): one indexing, not one each."""
+
+    def __getitems__(self, indices):
+        return [t[indices] for t in self.tensors]
+
+
+def worker_start(worker_id):  # A DataLoader worker leaves a stop signal to its replica, which saves, then ends it.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def padded(run, batches):
+    """The test batches, the last filled up with copies of a sample marked valid=0: one shape (one graph) for all."""
+    for x, y in batches:
+        fill = torch.arange(run.load_batch).clamp(max=len(y) - 1)  # (a whole batch: its own order)
+        yield x[fill], y[fill], (torch.arange(run.load_batch) < len(y)).float()
+
+
+def first_batch(run):  # the test set's first samples, alike on every replica: what the checks compute on
+    return next(iter(loader(run, run.test.dataset, range(min(run.load_batch, len(run.test.dataset))))))
 
 
 def layerdrop_keep(args, epoch, step, device):
@@ -785,8 +793,7 @@ def resume(run):
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
-    run.history = ckpt["history"]
-    run.epochs = ckpt["epochs"]
+    run.history, run.epochs = ckpt["history"], ckpt["epochs"]
     test = verify(run, path, ckpt)
     if os.path.isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
         converted = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
@@ -800,7 +807,7 @@ def verify(run, path, ckpt):
     saved with them, or (a stop saves none) eager PyTorch's logits on one test batch. Returns the TestResult or None."""
     saved = ckpt["test_loss"]
     if saved is None:
-        x = model_input(load_split(run.args, train=False)[0][: run.load_batch])
+        x = model_input(first_batch(run)[0])
         eager = build_model(run.args)
         eager.load_state_dict(ckpt["model"])
         run.model.eval()
@@ -912,6 +919,8 @@ class Control:
         name = signal.Signals(signum).name
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
+            if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
+                self.write("stop", signum)
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
         self.signalled = (signum, time.monotonic())
         stages = {stage for _, stage, _ in self.replicas().values()}
@@ -943,9 +952,7 @@ class Control:
             if os.path.isdir(self.folder):
                 self.end(Exit(1, f"run control {report_bug(e)}"))
 
-    def why_replicas_ended(
-        self,
-    ):  # (an Exit, its stage) of a process ended before its replicas (the cause), or a failure
+    def why_replicas_ended(self):  # (an Exit, its stage) of a process ended before its replicas, or of a failure
         replicas = self.replicas()
         self.seen.update((p.pid, p) for p in self.children())
         for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
@@ -1090,20 +1097,19 @@ def check_numerics(run):
     """A first step from the initial weights on the first samples, on the device and in eager PyTorch on the host: the
     logits, the loss and the weight update (-lr x gradient), each compared by norm."""
     args = run.args
-    images, labels = load_split(args, train=True)
+    x, y = first_batch(run)
     state = initial_model(args).state_dict()  # the same weights on both, whatever your initialisation does
     results = []
     for device in (run.device, torch.device("cpu")):
         model = build_model(args).to(device)
         model.load_state_dict(state)
         with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
-            logits = model(model_input(images[: run.load_batch].to(device)))
-            loss = F.cross_entropy(logits, labels[: run.load_batch].to(device))
+            logits = model(model_input(x.to(device)))
+            loss = F.cross_entropy(logits, y.to(device))
         loss.backward()
         update = torch.cat([-args.lr * p.grad.flatten() for p in model.parameters()])
         results.append([t.detach().float().cpu() for t in (logits, loss, update)])
-    on_device, on_cpu = results
-    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(on_device, on_cpu, strict=True)]
+    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True)]  # the device's, the CPU's
     tol = tolerance(run, other_device="CPU", bf16=args.bf16)
     figure = f"logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, update {diffs[2]:.1e} (tolerance {tol:.0e})"
     return max(diffs) <= tol, f"first step, device vs eager CPU, relative by norm: {figure}"
@@ -1139,8 +1145,7 @@ def check_learning(run):
     target = run.args.target_accuracy
     accuracy = run.epochs[-1]["accuracy"]
     k = max(1, len(losses) // 4)
-    before = sum(losses[:k]) / k
-    after = sum(losses[-k:]) / k
+    before, after = sum(losses[:k]) / k, sum(losses[-k:]) / k
     figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} logged steps), test accuracy {accuracy:.2f}%"
     return after < before and accuracy >= target, f"{figure} (target {target:g}%)"
 
@@ -1158,10 +1163,8 @@ def check_collectives(run):
         got = [xm.all_reduce(xm.REDUCE_SUM, mine), xm.all_reduce(xm.REDUCE_MAX, mine), xm.all_gather(mine)]
         for j, (result, expected) in enumerate(zip(got, [sum(sent), sent[-1], torch.cat(sent)], strict=True)):
             wrong = (result.cpu().view(torch.int32) != expected.view(torch.int32)).nonzero()
-            if len(wrong) and j == 2:
-                found[run.rank, 3 * k + j] = 1 + int(wrong[0]) // n  # an all-gather's part says where it came from
-            elif len(wrong):
-                found[run.rank, 3 * k + j] = 1
+            if len(wrong):  # (1 + for an all-gather, the replica its first wrong part came from)
+                found[run.rank, 3 * k + j] = 1 + (int(wrong[0]) // n if j == 2 else 0)
     found = agree(run, found)  # every replica's row: each sent zeros in the others'
     wrong = []
     for r, i in found.nonzero().tolist():
@@ -1178,7 +1181,7 @@ def check_replicas(run):
     if run.world == 1:
         return None, "one replica (under SPMD, one program over every device): no other to compare with"
     state = initial_model(run.args).state_dict()
-    x, y = [t[: run.load_batch] for t in load_split(run.args, train=True)]
+    x, y = first_batch(run)
     _, eager = replica_step(run.args, state, x, y, torch.device("cpu"))
     table = torch.zeros(run.world, 3, 9)  # per replica and run: program hash, results' hash (16-bit words), distance
     for k in range(3):
@@ -1298,8 +1301,7 @@ def fit(*argv):
         ckpt = load_checkpoint(found[-1])
         r.model = build_model(args)
         r.model.load_state_dict(ckpt["model"])
-        r.history = ckpt["history"]
-        r.epochs = ckpt["epochs"]
+        r.history, r.epochs = ckpt["history"], ckpt["epochs"]
     if args.smoke:
         r.verdict = read_json(os.path.join(out_dir, "verdict.json"))
     return r
