@@ -115,8 +115,7 @@ def dataset(args, train):
 
 
 def model_input(x):
-    """A batch's input as the model takes it, on the device: MNIST's uint8 pixels (a quarter of float32's bytes) are
-    scaled here, as Normalize() would. If your Dataset's transforms return floats, return x."""
+    """A batch's input as the model takes it, on the device: here MNIST's uint8 pixels, scaled as Normalize() would."""
     if x.dtype != torch.uint8:  # The Dataset was replaced and this was not: never rescale floats silently.
         raise TypeError(f"model_input expects uint8 pixels, got {x.dtype}: replace it too")
     return (x.float() / 255 - 0.1307) / 0.3081
@@ -406,8 +405,7 @@ def prepare(args):
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
     out_dir = prepare_out_dir(args, hosts)
     try:  # Once, before any replica starts: replicas never race to download, and a missing dataset exits 2 here.
-        for train in (True, False):
-            dataset(args, train)
+        dataset(args, train=True), dataset(args, train=False)
     except Exception as e:
         raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     return kind, out_dir
