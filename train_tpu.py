@@ -23,10 +23,13 @@ if REPLICA_PROCESS:
 # ruff: noqa: E402 (the imports follow those statements on purpose)
 
 import argparse
+import atexit
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import inspect
 import itertools
 import json
 import math
@@ -68,7 +71,7 @@ except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() may pass numbers.
     p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # exits 2 in one line
-    smoke = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10, target_accuracy=90.0)  # its presets
+    smoke = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10)  # its presets
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
@@ -106,7 +109,9 @@ def parse_args(argv=None):
 def dataset(args, train):
     """One split: any map-style torch Dataset of (input, label) samples, torchvision's with their transforms too."""
     if args.data == "synthetic":
-        return InMemory(*synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234))
+        digits = InMemory(*synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234))
+        digits.smoke_target = 90.0  # the accuracy (%) that --smoke's short run must reach on them (your data need none)
+        return digits
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
     with quietly():  # torchvision prints every download attempt. It downloads only what --data-dir lacks.
@@ -166,6 +171,9 @@ def loader(run, data, order, drop_last=False):
     # Forked, as on Linux by default; in xmp.spawn's processes, spawned workers would import this file anew: 7 CPU-s.
     fork = "fork" if run.args.workers and sys.platform == "linux" else None
     workers = dict(num_workers=run.args.workers, worker_init_fn=worker_start, multiprocessing_context=fork)
+    # A generator of its own seeds the workers. Without one a DataLoader draws from the global RNG, which the other
+    # replica thread of a v2/v3 host may have just seeded to build a model (initial_model).
+    workers["generator"] = torch.Generator().manual_seed(run.args.seed)
     return DataLoader(data, run.load_batch, sampler=order, drop_last=drop_last, collate_fn=whole, **workers)
 
 
@@ -187,7 +195,7 @@ def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device u
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=run.args.bf16):  # --bf16 (docs: perf/amp)
         x = model_input(batch["input"])
         logits = run.model(x) if keep is None else run.model(x, keep)  # Your own model need not take `keep`.
-        loss = F.cross_entropy(logits, batch["label"])
+        loss = F.cross_entropy(logits, batch["label"].long())  # (int32 labels too)
     loss.backward()
     if run.mesh is None:
         xm.optimizer_step(run.optimizer)  # It averages the gradients over the replicas (an all-reduce), then steps.
@@ -203,7 +211,7 @@ def evaluate(run):
     with torch.no_grad():
         for b in on_device(run, padded(run, run.test)):
             logits = run.model(model_input(b["input"]))
-            loss = F.cross_entropy(logits, b["label"], reduction="none")
+            loss = F.cross_entropy(logits, b["label"].long(), reduction="none")
             hits = (logits.argmax(1) == b["label"]).float()
             valid = b["valid"]  # 0 for the padding, whose loss and hits must not count
             totals += torch.stack([(loss * valid).sum(), (hits * valid).sum(), valid.sum()])
@@ -239,6 +247,7 @@ class Run:
     history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
     epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
     checks: list = dataclasses.field(default_factory=list)  # --smoke: {name, passed, figure} of each check done
+    untrained: "TestResult" = None  # --smoke: the initial weights' test loss and accuracy
     warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
     recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
 
@@ -252,7 +261,7 @@ def train_epoch(run, batches, epoch, skip):
     run.log.start_epoch(epoch, skip)
     step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
     for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
-        loss = train_step(run, batch, layerdrop_keep(run.args, epoch, step, run.device))
+        loss = train_step(run, batch, layerdrop_keep(run, epoch, step))
         run.log.add(step, loss)
         checkpoint_or_stop(run, epoch, step)  # Stops if a signal came (seen at log boundaries); saves per --save-steps.
     if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
@@ -274,6 +283,7 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
     if args.smoke:
+        run.untrained = evaluate(run)  # the learning check's baseline: the initial weights' test loss
         smoke_check(run, check_devices)  # before training: a missing chip is the first FAIL, whatever follows
     first_epoch, skip = resume(run)  # (1, 0) if fresh. A resumed run is checked against its saved test loss.
     run.control.set_stage(run.rank, "training")  # The launcher's stop signal now saves at a boundary, not ends at once.
@@ -408,6 +418,10 @@ def prepare(args):
         dataset(args, train=True), dataset(args, train=False)
     except Exception as e:
         raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
+    model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
+    hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
+    if args.layerdrop != "off" and not hooks:
+        raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
     return kind, out_dir
 
 
@@ -440,6 +454,9 @@ def check_environment(args):
     xla = version("torch_xla")
     if xla.split(".")[:2] != torch.__version__.split(".")[:2]:  # torch_xla's C++ is built for one torch release.
         raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
+    if downcast := [v for v in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16") if os.environ.get(v, "0") not in ("0", "false")]:
+        why = "makes every float32 tensor bfloat16 on the device (torch_xla/csrc/dtype.cpp), its sums and checks too"
+        raise Exit(2, f"error: {downcast[0]} {why}: unset it, and train in bfloat16 with --bf16 (autocast)")
     chips = tpu.num_available_chips()  # It reads the PCI bus, without starting the runtime.
     # On a TPU VM with no PJRT_DEVICE given, torch_xla's import chose the CPU if it found no libtpu (its __init__.py).
     if chips and USER_DEVICE is None and not torch_xla._found_libtpu:  # (private: its only record of that choice)
@@ -532,8 +549,9 @@ def first_line(e):  # (its type's name if the message is empty)
 
 # ---- a replica's first weights, the loaders' pieces, and layerdrop's coins ------------------------------------------
 def initial_model(args):
-    """The model's first weights come from --seed alone, so they are the same on every replica and in every run."""
-    with ONE_REPLICA_AT_A_TIME:  # TPU v2/v3 run two replica threads, which share the global RNG.
+    """The model's first weights come from --seed alone, so they are the same on every replica and in every run. Every
+    model is built here: TPU v2/v3 run two replica threads, which share the global RNG, and a build draws from it."""
+    with ONE_REPLICA_AT_A_TIME:
         torch.manual_seed(args.seed)
         return build_model(args)
 
@@ -570,15 +588,16 @@ def first_batch(run):  # the test set's first samples, alike on every replica: w
     return next(iter(loader(run, run.test.dataset, range(min(run.load_batch, len(run.test.dataset))))))
 
 
-def layerdrop_keep(args, epoch, step, device):
+def layerdrop_keep(run, epoch, step):
     """The step's fc2 decisions, from (seed, epoch, step) only: one graph on every replica; a resume repeats them."""
+    args = run.args
     if args.layerdrop == "off":
         return None
-    coins = np.random.default_rng([args.seed, epoch, step]).random(ToyModel.depth)
+    coins = np.random.default_rng([args.seed, epoch, step]).random(run.model.depth)
     keep = coins >= args.layerdrop_prob  # each application kept with probability 1 - layerdrop_prob
     if args.layerdrop == "dynamic":
         return keep.tolist()
-    return torch.tensor(keep, device=device)
+    return torch.tensor(keep, device=run.device)
 
 
 # ---- logging: the lines, TensorBoard, compiles -----------------------------------------------------------------------
@@ -679,10 +698,10 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 
 # ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
 # One dict: the model, the optimizer, the position (the epoch to train next, the samples of it done), the settings, the
-# history, the test loss measured before saving (None on a stop); named checkpoint-EEEE-SSSSSSSSS by its position. A
-# replica per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
-# perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD model, can compute something else
-# (pytorch/xla#6660): --resume converts either format and checks the saved test loss. No RNG state: ToyModel draws none.
+# history, the test loss measured before saving (None on a stop), the device's RNG state (dropout's masks go on); named
+# checkpoint-EEEE-SSSSSSSSS by its position. A replica per device: the master writes NAME.pt (xm.save). SPMD: each
+# device's shards go into NAME/ (DCP, docs: perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD
+# model, can compute something else (pytorch/xla#6660): --resume converts either format and checks the saved test loss.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
 SETTINGS += ("layerdrop", "layerdrop_prob", "bf16", "log_steps")  # what a resumed run takes, unless given again
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
@@ -702,6 +721,7 @@ def save(run, *, next_epoch, steps_done, test=None):
         "history": run.history,
         "epochs": run.epochs,
         "settings": {name: getattr(run.args, name) for name in SETTINGS},
+        "rng": xm.get_rng_state(run.device),  # read on the host: the seed of the next step's random ops, dropout's
     }
     path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
     if run.mesh is None:
@@ -764,7 +784,7 @@ def load_checkpoint(path):
             ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings"} <= ckpt.keys():
+        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings", "rng"} <= ckpt.keys():
             raise KeyError("not the keys of a train_tpu.py checkpoint")
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
         why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
@@ -793,6 +813,9 @@ def resume(run):
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
     run.history, run.epochs = ckpt["history"], ckpt["epochs"]
     test = verify(run, path, ckpt)
+    # Every torch_xla.sync() moves the device's RNG on, the evaluation's in verify() too: set now, dropout goes on with
+    # the masks it would have drawn.
+    xm.set_rng_state(ckpt["rng"], run.device)
     if os.path.isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
         converted = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
         run.say(f"resume | converted, saved as {converted}")
@@ -806,7 +829,7 @@ def verify(run, path, ckpt):
     saved = ckpt["test_loss"]
     if saved is None:
         x = model_input(first_batch(run)[0])
-        eager = build_model(run.args)
+        eager = initial_model(run.args)
         eager.load_state_dict(ckpt["model"])
         run.model.eval()
         with torch.no_grad():
@@ -1099,11 +1122,12 @@ def check_numerics(run):
     state = initial_model(args).state_dict()  # the same weights on both, whatever your initialisation does
     results = []
     for device in (run.device, torch.device("cpu")):
-        model = build_model(args).to(device)
+        model = initial_model(args).to(device)
         model.load_state_dict(state)
+        one_function(model)
         with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
             logits = model(model_input(x.to(device)))
-            loss = F.cross_entropy(logits, y.to(device))
+            loss = F.cross_entropy(logits, y.long().to(device))
         loss.backward()
         update = torch.cat([-args.lr * p.grad.flatten() for p in model.parameters()])
         results.append([t.detach().float().cpu() for t in (logits, loss, update)])
@@ -1139,27 +1163,31 @@ def check_compilation(run):
 
 
 def check_learning(run):
-    losses = [h["loss"] for h in run.history]
-    target = run.args.target_accuracy
+    """On any data: at some epoch's end the test loss fell below the initial weights' by LEARNED (--lr 1e-12 moves it
+    by 1e-12; a healthy run, on data that allows 60% too, by more). And the accuracy reached the target:
+    --target-accuracy, or the data's own `smoke_target` (the synthetic digits': 90%)."""
+    start = run.untrained.loss
+    best = min(e["test_loss"] for e in run.epochs)
+    target = run.args.target_accuracy or getattr(run.test.dataset, "smoke_target", 0.0)
     accuracy = run.epochs[-1]["accuracy"]
-    k = max(1, len(losses) // 4)
-    before, after = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    figure = f"loss {before:.3f} -> {after:.3f} (first and last {k} logged steps), test accuracy {accuracy:.2f}%"
-    return after < before and accuracy >= target, f"{figure} (target {target:g}%)"
+    figure = f"test loss {start:.4f} untrained -> {best:.4f} at best (must fall {LEARNED:.0%})"
+    figure += f", test accuracy {run.untrained.accuracy:.2f}% -> {accuracy:.2f}% (target {target:g}%)"
+    return best <= (1 - LEARNED) * start and accuracy >= target, figure
 
 
 def check_collectives(run):
-    """SUM and MAX all-reduces and an all-gather, at three sizes, of integer-valued float32 that encode each replica's
-    rank (exact whatever the order of the sum), bit for bit against their closed form."""
+    """SUM and MAX all-reduces and an all-gather, at three sizes, of integer-valued float32 that differ by replica, bit
+    for bit against what they should give (exact in any order of the sum: see collective_values)."""
     if run.world == 1:
         return None, "one replica (under SPMD, one program over every device): no collective to check"
     # Per replica, size and operation: 0 if its result is right, else 1 (+ for an all-gather, the part's source).
     found = torch.zeros(run.world, 3 * len(SIZES))
     for k, n in enumerate(SIZES):
-        sent = [(torch.arange(n) % 16 + 1.0) * run.world + r for r in range(run.world)]  # r's: a sum < 2**24 to 990
+        sent = collective_values(run.world, n)
         mine = sent[run.rank].to(run.device)
         got = [xm.all_reduce(xm.REDUCE_SUM, mine), xm.all_reduce(xm.REDUCE_MAX, mine), xm.all_gather(mine)]
-        for j, (result, expected) in enumerate(zip(got, [sum(sent), sent[-1], torch.cat(sent)], strict=True)):
+        should = [sum(t.double() for t in sent).float(), functools.reduce(torch.maximum, sent), torch.cat(sent)]
+        for j, (result, expected) in enumerate(zip(got, should, strict=True)):
             wrong = (result.cpu().view(torch.int32) != expected.view(torch.int32)).nonzero()
             if len(wrong):  # (1 + for an all-gather, the replica its first wrong part came from)
                 found[run.rank, 3 * k + j] = 1 + (int(wrong[0]) // n if j == 2 else 0)
@@ -1171,6 +1199,12 @@ def check_collectives(run):
             wrong[-1] += f" (the part from replica {int(found[r, i]) - 1})"
     figure = f"SUM, MAX, all-gather of {', '.join(map(str, SIZES))} floats on {run.world} replicas"
     return not wrong, f"{figure}: {', '.join(wrong) or 'bit for bit their closed form'}"
+
+
+def collective_values(world, n):
+    """What each replica sends: 1 to 64, shifted by its rank. Every partial sum stays below 64 x world, exact in float32
+    (below 2**24) for any slice up to 262,144 replicas; a contribution missing or doubled changes every element."""
+    return [((torch.arange(n) + rank) % 64 + 1).float() for rank in range(world)]
 
 
 def check_replicas(run):
@@ -1207,13 +1241,23 @@ def check_replicas(run):
 
 def replica_step(args, state, x, y, device):
     """The loss and gradients of one step from `state` (no update), on the host, and the traced program's hash."""
-    model = build_model(args).to(device)
+    model = initial_model(args).to(device)
     model.load_state_dict(state)
-    loss = F.cross_entropy(model(model_input(x.to(device))), y.to(device))
+    one_function(model)
+    loss = F.cross_entropy(model(model_input(x.to(device))), y.long().to(device))
     loss.backward()
     tensors = [loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
     program = torch_xla._XLAC._get_graph_hash(tensors) if device.type == "xla" else b""  # before it runs
     return program, torch.cat([t.flatten().float() for t in tensors]).cpu()
+
+
+def one_function(model):
+    """For the checks that compare two computations: eval() turns dropout off, but BatchNorm keeps to the batch's own
+    statistics (every side has the same batch), as torch_xla cannot differentiate its eval mode (pytorch/xla#3361)."""
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):  # (the base of torch's BatchNorm layers)
+            m.train()
 
 
 def odd_ones(values):  # the replicas whose value differs from the majority's; all of them if no strict majority
@@ -1223,6 +1267,7 @@ def odd_ones(values):  # the replicas whose value differs from the majority's; a
     return [r for r, value in enumerate(values) if value != common]
 
 
+LEARNED = 0.01  # the least fall of the test loss, as a fraction of the untrained's, that counts as learning
 SIZES = (1, 4096, 1 << 14)  # floats per replica in each collective that check_collectives makes
 CHECKS = (check_numerics, check_checkpoint, check_compilation, check_learning, check_collectives, check_replicas)
 
@@ -1297,7 +1342,7 @@ def fit(*argv):
     r = argparse.Namespace(model=None, history=[], epochs=[], verdict=None, out_dir=out_dir)
     if found:
         ckpt = load_checkpoint(found[-1])
-        r.model = build_model(args)
+        r.model = initial_model(args)
         r.model.load_state_dict(ckpt["model"])
         r.history, r.epochs = ckpt["history"], ckpt["epochs"]
     if args.smoke:
@@ -1307,6 +1352,9 @@ def fit(*argv):
 
 if __name__ == "__main__":
     exit_code = main()
+    if XLA_IMPORT_ERROR is None:  # torch_xla's own handler, which os._exit skips on purpose (below)
+        atexit.unregister(torch_xla._prepare_to_exit)
+    atexit._run_exitfuncs()  # Yours, registered while the run trained in this process: W&B's finish, a log's close.
     with contextlib.suppress(OSError):  # (a reader of stdout that died; stderr is line-buffered)
         sys.stdout.flush()
     os._exit(exit_code)  # After an error mid-epoch, MpDeviceLoader's feeder thread can abort a normal exit (134).
