@@ -109,9 +109,8 @@ def parse_args(argv=None):
 def dataset(args, train):
     """One split: any map-style torch Dataset of (input, label) samples, torchvision's with their transforms too."""
     if args.data == "synthetic":
-        digits = InMemory(*synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234))
-        digits.smoke_target = 90.0  # the accuracy (%) that --smoke's short run must reach on them (your data need none)
-        return digits
+        digits = synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234)
+        return InMemory(*digits, smoke_target=90.0)  # the accuracy (%) --smoke must reach on them; yours need none
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
     with quietly():  # torchvision prints every download attempt. It downloads only what --data-dir lacks.
@@ -170,10 +169,9 @@ def loader(run, data, order, drop_last=False):
     whole = default_convert if isinstance(data, InMemory) else None  # InMemory's batches need no collating.
     # Forked, as on Linux by default; in xmp.spawn's processes, spawned workers would import this file anew: 7 CPU-s.
     fork = "fork" if run.args.workers and sys.platform == "linux" else None
+    # Its own generator seeds the workers: else it draws from the global RNG, seeded by initial_model (v2/v3: a race).
     workers = dict(num_workers=run.args.workers, worker_init_fn=worker_start, multiprocessing_context=fork)
-    # A generator of its own seeds the workers. Without one a DataLoader draws from the global RNG, which the other
-    # replica thread of a v2/v3 host may have just seeded to build a model (initial_model).
-    workers["generator"] = torch.Generator().manual_seed(run.args.seed)
+    workers.update(generator=torch.Generator().manual_seed(run.args.seed))
     return DataLoader(data, run.load_batch, sampler=order, drop_last=drop_last, collate_fn=whole, **workers)
 
 
@@ -247,6 +245,7 @@ class Run:
     history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
     epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
     checks: list = dataclasses.field(default_factory=list)  # --smoke: {name, passed, figure} of each check done
+    places: list = None  # --smoke on a slice: [host, device] of each replica
     untrained: "TestResult" = None  # --smoke: the initial weights' test loss and accuracy
     warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
     recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
@@ -299,20 +298,15 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
-def launch(args, kind, out_dir):  # Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit.
-    with Control(args, out_dir) as control:  # run control: stop signals, a replica that dies, the smoke deadline
+def launch(args, kind, out_dir, pod):  # Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit.
+    with Control(args, out_dir, pod) as control:  # stop signals, a replica or a host that fails, the smoke deadline
         try:
             if not args.spmd:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
                 xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
             else:
                 train(start_replica(args, kind, out_dir, control))
-        except Exit:
-            raise  # Every replica raised it at the same point, and the launcher passes it on.
-        except Exception as e:  # The launcher ended the run, a replica died or failed alone, or no runtime started.
-            ended = control.exit_for(e, kind)  # the Exit that says which, or None for a bug in the only replica
-            if ended is None:
-                raise  # main() prints the bug's traceback.
-            raise ended from e
+        except Exception as e:  # every replica's Exit, or the launcher ended the run, or a bug in the only replica
+            raise control.exit_for(e, kind) from e  # the Exit that says which, or e: main() prints it, or its traceback
 
 
 def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica (rank: its ordinal)
@@ -331,11 +325,11 @@ def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once
 
 
 def main(argv=None):
-    out_dir = None  # the run folder, whose log.txt keeps the last line too
+    out_dir, pod = None, None  # the run folder, whose log keeps the last line too, and a pod slice's hosts (Slice)
     try:
         args = parse_args(argv)
-        kind, out_dir = prepare(args)
-        launch(args, kind, out_dir)
+        kind, out_dir, pod = prepare(args)
+        launch(args, kind, out_dir, pod)
         return 0
     except Exit as e:
         code, line = e.code, e.line
@@ -343,7 +337,7 @@ def main(argv=None):
         code, line = 130, "interrupted"
     except Exception as e:
         code, line = 1, report_bug(e)
-    tell(out_dir, f"train_tpu.py: {line}", sys.stderr)
+    tell(out_dir, f"train_tpu.py: {line}", sys.stderr, pod.log if pod else "log.txt")  # (a slice: a log per host)
     return code
 
 
@@ -394,6 +388,7 @@ def end_epoch(run, epoch):
 
 def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + the signal's number.
     run.control.set_stage(run.rank, "stopping")  # Saved: the launcher's grace no longer applies.
+    signum = max(signum, run.control.stop_signal())  # SIGTERM, if it came with a SIGHUP taken first (on_signal)
     why = f"stopped by {signal.Signals(signum).name} at {where}, checkpoint saved"
     raise Exit(128 + signum, f"{why}: continue with --resume {run.out_dir}")
 
@@ -409,20 +404,27 @@ def agree(run, values):
 
 # ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
 def prepare(args):
-    """Refuses what it can before any device starts, as xmp.spawn cannot start once one has. Returns (kind, folder)."""
-    kind, hosts, cores = check_environment(args)
+    """Refuses what it can before any device starts, as xmp.spawn cannot start once one has. Returns (kind, folder,
+    the Slice of a pod's hosts or None)."""
+    kind, host, hosts, cores = check_environment(args)
     if args.spmd and kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
     out_dir = prepare_out_dir(args, hosts)
+    pod = Slice(out_dir, host, hosts) if hosts > 1 else None  # From now on this host's launcher beats in OUT/.slice.
+    if pod:
+        pod.wait_for_host_0()  # It reads or downloads the data first: no two hosts write one --data-dir at once.
     try:  # Once, before any replica starts: replicas never race to download, and a missing dataset exits 2 here.
         dataset(args, train=True), dataset(args, train=False)
     except Exception as e:
-        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
+        ended = Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}")
+        raise (pod.share(ended, "data")[0] if pod else ended) from e  # On a slice, every host exits 2.
     model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
     hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
     if args.layerdrop != "off" and not hooks:
         raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
-    return kind, out_dir
+    if pod:
+        pod.write(stage="ready")
+    return kind, out_dir, pod
 
 
 RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
@@ -464,16 +466,15 @@ def check_environment(args):
     kind = os.environ.get("PJRT_DEVICE", "unset")  # the user's, or what torch_xla's import chose
     if kind not in ("TPU", "CPU") or (kind == "TPU" and not chips):
         raise Exit(2, f"error: PJRT_DEVICE={kind}, and this machine has no such device: unset it to use the CPU")
-    hosts = 1
     have = int(os.environ.get("CPU_NUM_DEVICES", 1))
-    if kind == "TPU":
-        try:  # Both ask the TPU VM's metadata server (the devices per chip come from its accelerator type).
-            hosts = tpu.num_tpu_workers()
+    try:  # On a TPU VM both ask its metadata server (the devices per chip come from its accelerator type).
+        host, hosts = this_host(kind)
+        if kind == "TPU":
             have = tpu.num_available_devices()
-        except Exception as e:
-            raise Exit(2, f"error: cannot read this TPU VM's slice from its metadata: {first_line(e)}") from e
+    except Exception as e:
+        raise Exit(2, f"error: cannot read this TPU VM's slice from its metadata: {first_line(e)}") from e
     cores = args.cores or have
-    if hosts > 1 and (args.spmd or cores == 1):
+    if hosts > 1 and (args.spmd or args.cores == 1):
         raise Exit(2, f"error: --spmd and --cores 1 train on one host, and this slice has {hosts}: leave them out")
     if kind == "CPU" and cores > 1 and not args.spmd:  # On the CPU, the replicas of one process are threads.
         why = "torch_xla's CPU collectives hang across replicas (pytorch/xla#5005)"
@@ -482,7 +483,13 @@ def check_environment(args):
         raise Exit(2, f"error: --cores {cores}: --spmd uses all {have} TPU devices of this machine")
     if kind == "TPU" and cores not in (1, have):
         raise Exit(2, f"error: --cores {cores}: this machine has {have} TPU devices; use --cores 1 or {have}")
-    return kind, hosts, cores
+    return kind, host, hosts, cores
+
+
+def this_host(kind):  # (this host's worker number, the slice's hosts): from the TPU VM's metadata; (0, 1) off a TPU
+    if kind != "TPU":
+        return 0, 1
+    return tpu.worker_id(), tpu.num_tpu_workers()
 
 
 def prepare_out_dir(args, hosts):
@@ -515,6 +522,7 @@ def start_replica(args, kind, out_dir, control):
         run.devices = run.world
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
+    control.devices[run.rank] = xr.local_ordinal()  # (its chip on this host, from v4 on; on v2/v3 a core of one)
     control.set_stage(run.rank, "setup")  # The launcher now knows this replica's process, and that its runtime started.
     return run
 
@@ -567,6 +575,10 @@ def broadcast_weights(run):
 
 class InMemory(TensorDataset):
     """Tensors in memory. DataLoader asks for a batch's samples at once (__getitems__): one indexing, not one each."""
+
+    def __init__(self, *tensors, smoke_target=None):
+        super().__init__(*tensors)
+        self.smoke_target = smoke_target  # what check_learning asks of data it knows
 
     def __getitems__(self, indices):
         return [t[indices] for t in self.tensors]
@@ -873,16 +885,21 @@ STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU 
 
 class Control:
     """The launcher takes the stop signals and watches the replicas: one fails alone or dies, and it ends them all (the
-    others would wait for it). They meet in a folder: `stop` (the signal), `replica-N` ([pid, stage, stages so far]),
-    `failed-N` ([code, line, stage]), `checks` (--smoke's). On a pod slice each host's launcher watches its own."""
+    others would wait for it). They meet in a folder: `stop` (the signal), `replica-N` ([pid, stage, stages, device]),
+    `failed-N` ([code, line, stage]), `checks` (--smoke's; on a slice in OUT/.slice). Each host's launcher watches its
+    own replicas, and on a slice the next host (Slice)."""
 
-    def __init__(self, args, out_dir):
+    def __init__(self, args, out_dir, pod=None):
         self.args = args
         self.out_dir = out_dir  # where a verdict goes when the launcher ends a smoke run
+        self.pod = pod  # on a pod slice, the other hosts (Slice), else None
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
+        self.shared = pod.folder if pod else self.folder  # where the master replica keeps its checks for any host
+        self.host, self.hosts = (pod.host, pod.hosts) if pod else (0, 1)
         self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own processes, say
         self.in_process = args.spmd or args.cores == 1  # The replica is here: children are DataLoader workers.
         self.progress = collections.Counter()  # {rank: stages so far} of this process's replicas
+        self.devices = {}  # {rank: its device's number on this host} of this process's replicas
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
         self.ended = None  # the Exit of a run that the launcher ended
         self.signalled = (None, 0.0)  # the first stop signal, and when it came
@@ -891,8 +908,8 @@ class Control:
         self.verdict = None  # the Exit of a smoke verdict the launcher wrote
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
-        keep = ("args", "out_dir", "folder", "in_process")
-        return {name: getattr(self, name) for name in keep} | {"progress": collections.Counter()}
+        keep = ("args", "out_dir", "folder", "shared", "host", "hosts", "in_process")
+        return {name: getattr(self, name) for name in keep} | {"progress": collections.Counter(), "devices": {}}
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
@@ -910,9 +927,9 @@ class Control:
     def stop_signal(self):  # the number of the signal the launcher took, or 0
         return self.read("stop").get("stop", 0)
 
-    def set_stage(self, rank, stage):  # The launcher learns the replica's process, and how far it got.
+    def set_stage(self, rank, stage):  # The launcher learns the replica's process, its device, and how far it got.
         self.progress[rank] += 1
-        self.write(f"replica-{rank}", [os.getpid(), stage, self.progress[rank]])
+        self.write(f"replica-{rank}", [os.getpid(), stage, self.progress[rank], self.devices.get(rank)])
 
     def fail_alone(self, rank, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
         ended = e if isinstance(e, Exit) else Exit(1, f"replica {rank}: {report_bug(e)}")
@@ -929,7 +946,11 @@ class Control:
         threading.Thread(target=self.watch, name="train_tpu watch", daemon=True).start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, e, traceback):
+        if self.pod and (
+            e is None or isinstance(e, Exit) and self.ended is None
+        ):  # done, or an Exit all replicas agreed
+            self.pod.write(stage="exited")  # The next host need not watch this one any more.
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
         for name in ("TRAIN_TPU_LAUNCHER", "TRAIN_TPU_CONTROL"):  # A process this one starts later is no replica.
@@ -944,11 +965,11 @@ class Control:
                 self.write("stop", signum)
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
         self.signalled = (signum, time.monotonic())
-        stages = {stage for _, stage, _ in self.replicas().values()}
+        stages = {stage for _, stage, *_ in self.replicas().values()}
         if first is not None:
-            self.end(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved"))
+            self.end(self.conclude(Exit(128 + signum, f"stopped by a second {name}, at once: nothing saved")))
         elif stages <= {"setup", "devices"}:  # Every replica is before training, or none has started: nothing to save.
-            self.end(Exit(128 + signum, f"stopped by {name} before training began: nothing to save"))
+            self.end(self.conclude(Exit(128 + signum, f"stopped by {name} before training began: nothing to save")))
         else:
             self.write("stop", signum)
             why = f"no log boundary within {STOP_GRACE} s, nothing saved"
@@ -961,27 +982,30 @@ class Control:
         try:
             while self.ended is None and os.path.isdir(self.folder):
                 replicas = self.replicas()
-                stages = [stage for _, stage, _ in replicas.values()]
+                stages = [stage for _, stage, *_ in replicas.values()]
                 if found := self.why_replicas_ended():
-                    self.end(self.for_smoke(*found))
+                    self.end(self.conclude(*found))
+                elif self.pod and (news := self.pod.news()):  # another host's end, or the next host's silence
+                    self.end(self.conclude(*news))
                 elif time.monotonic() > self.grace_ends and "training" in stages:
-                    self.end(self.grace_over)
+                    self.end(self.conclude(self.grace_over))
                 elif time.monotonic() > self.deadline:
                     self.end(self.deadline_passed(replicas))
                 time.sleep(0.5)
         except Exception as e:  # A bug here must not leave the run unwatched. (The folder goes when the run ends.)
             if os.path.isdir(self.folder):
-                self.end(Exit(1, f"run control {report_bug(e)}"))
+                self.end(self.conclude(Exit(1, f"run control {report_bug(e)}")))
 
     def why_replicas_ended(self):  # (an Exit, its stage) of a process ended before its replicas, or of a failure
         replicas = self.replicas()
         self.seen.update((p.pid, p) for p in self.children())
         for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
-            stages = {rank: stage for rank, (pid, stage, _) in replicas.items() if pid == p.pid}
+            stages = {rank: stage for rank, (pid, stage, *_) in replicas.items() if pid == p.pid}
             if p.exitcode is None or (stages and set(stages.values()) == {"ended"}):
                 continue  # alive, or ended after its replicas
             how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-            who = f"replica {' and '.join(map(str, stages))}'s process" if stages else f"replica process {p.pid}"
+            ranks = " and ".join(f"{rank} (device {replicas[rank][3]})" for rank in stages)
+            who = f"replica {ranks}'s process" if stages else f"replica process {p.pid}"
             stage = next(iter(stages.values()), "setup")
             return Exit(1, f"failed: {who} died ({how}) in {stage}; its checkpoints stay"), stage
         failed = list(self.read("failed-").values())  # the replicas that failed alone, the first first
@@ -1003,37 +1027,140 @@ class Control:
 
     def deadline_passed(self, replicas):  # The replicas furthest behind FAIL: the others wait for them in a collective.
         verdict = os.path.join(self.out_dir, "verdict.json")
-        if replicas and {stage for _, stage, _ in replicas.values()} <= {"done", "ended"} and os.path.exists(verdict):
+        if replicas and {stage for _, stage, *_ in replicas.values()} <= {"done", "ended"} and os.path.exists(verdict):
             code = 0 if read_json(verdict)["passed"] else 5  # The verdict is out; a join or a teardown hangs.
-            return Exit(code, "the replica processes outlived --smoke-timeout after the verdict: killed")
+            return self.conclude(Exit(code, "the replica processes outlived --smoke-timeout after the verdict: killed"))
         timeout = f"within --smoke-timeout {self.args.smoke_timeout:g} s"
         started = {pid for pid, *_ in replicas.values()}
         if silent := [str(pid) for pid in self.seen if pid not in started]:  # stuck before any replica of theirs set up
-            return self.for_smoke(Exit(5, f"replica process {' and '.join(silent)}: no runtime {timeout}"), "setup")
-        behind = min((count for *_, count in replicas.values()), default=0)
-        stuck = " and ".join(str(rank) for rank, (*_, count) in replicas.items() if count == behind) or "none started"
-        stage = next((stage for _, stage, count in replicas.values() if count == behind), "setup")
-        return self.for_smoke(Exit(5, f"replica {stuck} did not finish {stage} {timeout}"), stage)
+            return self.conclude(Exit(5, f"replica process {' and '.join(silent)}: no runtime {timeout}"), "setup")
+        behind = min((count for _, _, count, _ in replicas.values()), default=0)
+        stuck = (
+            " and ".join(str(rank) for rank, (_, _, count, _) in replicas.items() if count == behind) or "none started"
+        )
+        stage = next((stage for _, stage, count, _ in replicas.values() if count == behind), "setup")
+        return self.conclude(Exit(5, f"replica {stuck} did not finish {stage} {timeout}"), stage)
 
-    def for_smoke(self, ended, stage):  # --smoke ends in a verdict, whatever ends it: the checks done, a FAIL row.
-        if not self.args.smoke:
+    def conclude(self, ended, stage=None):
+        """The run's end, from what this launcher found. On a slice every host learns it, and the first host's end is
+        the run's. With --smoke and a stage, a verdict: the checks done, then a FAIL row (written by the first host)."""
+        first = True
+        if self.pod:
+            ended, stage, first = self.pod.share(ended, stage)
+        if not (self.args.smoke and stage):
             return ended
         with self.lock:  # The watch and exit_for() may both be here: one verdict.
             if self.verdict is None:
                 figure = ended.line.removeprefix("failed: ").removeprefix("error: ")
-                checks = [*self.read("checks").get("checks", []), dict(name=stage, passed=False, figure=figure)]
-                publish(self.out_dir, checks)
+                if first:
+                    checks = [*self.saved_checks(), dict(name=stage, passed=False, figure=figure)]
+                    publish(self.out_dir, checks)
                 self.verdict = Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
             return self.verdict
 
-    def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or None for a bug in the only replica
+    def save_checks(self, checks):  # the master's checks so far, for a verdict that a launcher writes
+        write_json(os.path.join(self.shared, "checks"), checks)
+
+    def saved_checks(self):
+        with contextlib.suppress(FileNotFoundError):
+            return read_json(os.path.join(self.shared, "checks"))
+        return []
+
+    def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or e (an Exit agreed, a bug in the only replica)
         if self.ended is None and (found := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
-            self.ended = self.for_smoke(*found)
+            self.ended = self.conclude(*found)
+        if self.ended is None and isinstance(e, Exit):
+            return e  # Every replica raised it at the same point, and the launcher passes it on.
         if self.ended is None and not self.replicas():  # No replica has set a stage: none has a runtime.
-            self.ended = self.for_smoke(Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}"), "setup")
+            self.ended = self.conclude(Exit(2, f"error: the {kind} runtime did not start: {first_line(e)}"), "setup")
         if self.ended is None and self.args.smoke:  # (--cores 1, --spmd: with --smoke, a verdict)
-            self.ended = self.for_smoke(Exit(1, f"replica 0: {report_bug(e)}"), self.replicas().get(0, [0, "setup"])[1])
-        return self.ended
+            self.ended = self.conclude(Exit(1, f"replica 0: {report_bug(e)}"), self.replicas().get(0, [0, "setup"])[1])
+        return self.ended or e
+
+
+BEAT = 2  # seconds between a launcher's heartbeats on a slice
+HOST_SILENCE = 30  # seconds of no heartbeat after which a host is lost. Its launcher beats whatever its replicas do (a
+# long first compile or a big checkpoint's write is theirs), so only a gone VM or launcher falls silent; the shared
+# --out-dir must show one host's writes to the others well within it.
+
+
+class Slice:
+    """A pod slice's launchers, one a host, meet in OUT/.slice, which every host reads and writes. Each beats every
+    BEAT s in host-K ({name, launched, beats, stage}), and watches the next host's (the last host watches host 0). The
+    first host to end the run writes why in ends/K, named by host; every other host then ends with that end. A file
+    from a launch more than a minute apart from this one is an earlier run's."""
+
+    def __init__(self, out_dir, host, hosts):
+        self.folder, self.host, self.hosts = os.path.join(out_dir, ".slice"), host, hosts
+        self.log = f"log-host-{host}.txt"  # this launcher's own lines: log.txt is the master replica's
+        self.mine = dict(name=os.uname().nodename, launched=time.time(), beats=0, stage="data")
+        self.heard = {}  # {host: (its beats, when this launcher saw them change)}
+        os.makedirs(os.path.join(self.folder, "ends"), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # this host's end of an earlier launch
+            os.remove(os.path.join(self.folder, "ends", str(host)))
+        if host == 0:  # No replica has started yet on any host: the master's checks of an earlier launch go.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.folder, "checks"))
+        threading.Thread(target=self.beat, name="train_tpu slice", daemon=True).start()
+
+    def beat(self):
+        while self.mine["stage"] != "exited":
+            self.write()
+            time.sleep(BEAT)
+
+    def write(self, **changes):  # this host's heartbeat
+        self.mine.update(changes, beats=self.mine["beats"] + 1)
+        write_json(os.path.join(self.folder, f"host-{self.host}"), self.mine)
+
+    def this_launch(self, path):  # the JSON at OUT/.slice/PATH if this launch wrote it, else None
+        with contextlib.suppress(OSError, ValueError):
+            found = read_json(os.path.join(self.folder, path))
+            if abs(found["launched"] - self.mine["launched"]) < 60:
+                return found
+        return None
+
+    def first_end(self):  # (Exit, stage, host) of the first end that a host of this launch wrote, or None
+        ends = [
+            (int(k), self.this_launch(os.path.join("ends", k))) for k in os.listdir(os.path.join(self.folder, "ends"))
+        ]
+        ends = sorted((end["at"], k, end) for k, end in ends if end)
+        return None if not ends else (Exit(ends[0][2]["code"], ends[0][2]["line"]), ends[0][2]["stage"], ends[0][1])
+
+    def share(self, ended, stage):
+        """This host's end for every host, unless one came before it: (Exit, stage, whether it is this host's)."""
+        if self.first_end() is None:
+            prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
+            line = f"{prefix}host {self.host} ({self.mine['name']}): {ended.line.removeprefix(prefix)}"
+            end = dict(code=ended.code, line=line, stage=stage, at=time.time(), launched=self.mine["launched"])
+            write_json(os.path.join(self.folder, "ends", str(self.host)), end)
+            time.sleep(
+                1
+            )  # Another host may have ended at the same moment: the earlier end is the run's, on every host.
+        ended, stage, host = self.first_end()
+        return ended, stage, host == self.host
+
+    def news(self):  # (Exit, stage) of another host's end or of the next host's silence, else None
+        first = self.first_end()
+        if first is not None and first[2] != self.host:
+            return first[:2]
+        return self.silence((self.host + 1) % self.hosts)
+
+    def silence(self, host):  # (Exit, "slice") once nothing was heard from `host` for HOST_SILENCE s, else None
+        beat = self.this_launch(f"host-{host}") or dict(name="never heard from", beats=None, stage=None)
+        if beat["stage"] == "exited":
+            return None  # It ended with the others, or is about to.
+        if self.heard.get(host, (None, None))[0] != beat["beats"] or host not in self.heard:
+            self.heard[host] = (beat["beats"], time.monotonic())
+        if time.monotonic() - self.heard[host][1] < HOST_SILENCE:
+            return None
+        why = f"nothing heard from host {host} ({beat['name']}) for {HOST_SILENCE} s: its VM or its launcher is gone"
+        return Exit(1, f"failed: {why}; its checkpoints stay"), "slice"
+
+    def wait_for_host_0(self):  # Until host 0 has its data, or the run ends (host 0's end, or its silence).
+        while self.host != 0 and (self.this_launch("host-0") or {}).get("stage", "data") == "data":
+            if (news := self.first_end() or self.silence(0)) is not None:
+                raise self.share(*news[:2])[0]
+            time.sleep(0.5)
 
 
 def run_replica_process(local_rank, *args, **kwargs):
@@ -1067,6 +1194,10 @@ def finish(run):
 
 
 def smoke_verdict(run):  # The checks after training. One FAILs if it failed on any replica; then exit 5.
+    if run.control.hosts > 1:  # Every replica learns each one's host and device, which the rows name.
+        places = torch.zeros(run.world, 2)
+        places[run.rank] = torch.tensor([run.control.host, xr.local_ordinal()], dtype=torch.float32)
+        run.places = agree(run, places).int().tolist()
     for check in CHECKS:
         smoke_check(run, check)
     run.control.set_stage(run.rank, "verdict")
@@ -1077,7 +1208,7 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
         where = column.nonzero().flatten().tolist()
         if where and len(where) < run.world:  # A check that failed on every replica names the replica itself, if any.
             check["passed"] = False
-            check["figure"] += f" | FAILED on replica(s) {where}"
+            check["figure"] += f" | FAILED on replica(s) [{', '.join(place(run, r) for r in where)}]"
     run.control.set_stage(run.rank, "done")  # The verdict is agreed: the launcher's is no longer needed.
     if run.master:
         publish(run.out_dir, run.checks)
@@ -1092,7 +1223,7 @@ def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (Non
     passed, figure = check(run)
     run.checks.append(dict(name=name, passed=passed, figure=figure))
     if run.master:
-        run.control.write("checks", run.checks)
+        run.control.save_checks(run.checks)
 
 
 def check_devices(run):
@@ -1168,7 +1299,7 @@ def check_learning(run):
     --target-accuracy, or the data's own `smoke_target` (the synthetic digits': 90%)."""
     start = run.untrained.loss
     best = min(e["test_loss"] for e in run.epochs)
-    target = run.args.target_accuracy or getattr(run.test.dataset, "smoke_target", 0.0)
+    target = run.args.target_accuracy or getattr(run.test.dataset, "smoke_target", None) or 0.0
     accuracy = run.epochs[-1]["accuracy"]
     figure = f"test loss {start:.4f} untrained -> {best:.4f} at best (must fall {LEARNED:.0%})"
     figure += f", test accuracy {run.untrained.accuracy:.2f}% -> {accuracy:.2f}% (target {target:g}%)"
@@ -1194,7 +1325,7 @@ def check_collectives(run):
     found = agree(run, found)  # every replica's row: each sent zeros in the others'
     wrong = []
     for r, i in found.nonzero().tolist():
-        wrong.append(f"replica {r}'s {('SUM', 'MAX', 'all-gather')[i % 3]} of {SIZES[i // 3]}")
+        wrong.append(f"replica {place(run, r)}'s {('SUM', 'MAX', 'all-gather')[i % 3]} of {SIZES[i // 3]}")
         if i % 3 == 2:
             wrong[-1] += f" (the part from replica {int(found[r, i]) - 1})"
     figure = f"SUM, MAX, all-gather of {', '.join(map(str, SIZES))} floats on {run.world} replicas"
@@ -1225,17 +1356,21 @@ def check_replicas(run):
     programs = [tuple(t[0, :4].tolist()) for t in table]
     if len(set(programs)) > 1:
         why = "not a chip fault: the model traces a graph of its own on some replica"
-        return False, f"replica(s) {odd_ones(programs)} traced other programs than the rest: {why}"
+        odd = ", ".join(place(run, r) for r in odd_ones(programs))
+        return False, f"replica(s) [{odd}] traced other programs than the rest: {why}"
     differs = collections.Counter(r for k in range(3) for r in odd_ones([tuple(t[k, 4:8].tolist()) for t in table]))
     if not differs:
         return True, f"loss and {len(eager) - 1} gradient values bit-identical on {run.world} replicas, 3 times"
+    how = {3: "every time: its chip"}
     rows = [
-        f"replica {r} differs in {n}/3 steps ({'every time: its chip' if n == 3 else 'not every time: transient'})"
+        f"replica {place(run, r)} differs in {n}/3 steps ({how.get(n, 'not every time: transient')})"
         for r, n in sorted(differs.items())
     ]
     if len(differs) == run.world:  # no majority: the eager reference tells the further off
         further = max(differs, key=lambda r: float(table[r, :, 8].max()))
-        rows.append(f"eager CPU is further from replica {further} ({float(table[further, :, 8].max()):.1e})")
+        rows.append(
+            f"eager CPU is further from replica {place(run, further)} ({float(table[further, :, 8].max()):.1e})"
+        )
     return False, "; ".join(rows)
 
 
@@ -1258,6 +1393,13 @@ def one_function(model):
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):  # (the base of torch's BatchNorm layers)
             m.train()
+
+
+def place(run, rank):  # a replica's number, and on a slice its host and device there
+    if run.places is None:
+        return str(rank)
+    host, device = run.places[rank]
+    return f"{rank} (host {host}, device {device})"
 
 
 def odd_ones(values):  # the replicas whose value differs from the majority's; all of them if no strict majority
@@ -1293,11 +1435,11 @@ def quietly():
             yield
 
 
-def tell(out_dir, line, stream=None):  # Prints a line, and keeps it in OUT/log.txt.
+def tell(out_dir, line, stream=None, log="log.txt"):  # Prints a line, and keeps it in OUT/log.txt (or another log).
     with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
         print(line, file=stream or sys.stdout, flush=True)
     if out_dir is not None:
-        with contextlib.suppress(OSError), open(os.path.join(out_dir, "log.txt"), "a") as f:  # (a full disk, say)
+        with contextlib.suppress(OSError), open(os.path.join(out_dir, log), "a") as f:  # (a full disk, say)
             f.write(line + "\n")
 
 
@@ -1332,9 +1474,9 @@ def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict. --cores 1 may end the process."""
     args = parse_args(argv)
-    kind, out_dir = prepare(args)
+    kind, out_dir, pod = prepare(args)
     try:
-        launch(args, kind, out_dir)
+        launch(args, kind, out_dir, pod)
     except Exit as e:
         if e.code != 5:
             raise
