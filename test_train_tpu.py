@@ -2256,10 +2256,12 @@ def test_the_deadline_names_a_replica_process_whose_runtime_never_started(tmp_pa
 
 # ---- a pod slice: two hosts, a launcher each, two replica processes each (on_slice()) --------------------------------
 def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000256.pt",), results=None):
-    """Both hosts exited `code` with `line` last, within 60 s of the fault, with no process of theirs left; the
-    checkpoints saved before stay."""
+    """Both hosts exited `code` with `line` last, within 60 s of the fault and seconds of each other (the first end,
+    shared; not the other host's silence), with no process of theirs left; the checkpoints saved before stay."""
     fault = float((runs["root"] / f"{name}.fault").read_text())
-    for k, ((got, out, err, left, _), ended) in enumerate(results or runs[name.replace("-", "_")]):
+    results = results or runs[name.replace("-", "_")]
+    assert abs(results[0][1] - results[1][1]) < 10
+    for k, ((got, out, err, left, _), ended) in enumerate(results):
         assert (got, last_line_of(err)) == (code, f"train_tpu.py: {line}"), (k, out[-2000:] + err[-3000:])
         assert not left and ended - fault < 60, (k, left, ended - fault)
         assert (runs["root"] / name / f"log-host-{k}.txt").read_text().splitlines()[-1] == f"train_tpu.py: {line}"
@@ -2298,6 +2300,7 @@ def test_a_runtime_that_will_not_start_on_one_host_of_a_slice_ends_every_host_wi
     busy = "TPU initialization failed: The TPU is already in use by process with pid 4242."
     failed = f"host 1 (vm): replica process 1 (its local rank) failed to start: RuntimeError: {busy}"
     fault = float((runs["root"] / "pod-start.fault").read_text())
+    assert abs(runs["pod_start"][0][1] - runs["pod_start"][1][1]) < 10  # the shared end, not a silence
     for k, ((code, _out, err, left, _), ended) in enumerate(runs["pod_start"]):
         assert (code, last_line_of(err)) == (5, f"train_tpu.py: failed: smoke verdict FAIL: setup: {failed}"), k
         assert not left and ended - fault < 60

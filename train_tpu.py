@@ -947,9 +947,8 @@ class Control:
         return self
 
     def __exit__(self, kind, e, traceback):
-        if self.pod and (
-            e is None or isinstance(e, Exit) and self.ended is None
-        ):  # done, or an Exit all replicas agreed
+        agreed = e is None or isinstance(e, Exit) and self.ended is None  # done, or an Exit every replica raised
+        if self.pod and agreed:
             self.pod.write(stage="exited")  # The next host need not watch this one any more.
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
@@ -1133,9 +1132,8 @@ class Slice:
             line = f"{prefix}host {self.host} ({self.mine['name']}): {ended.line.removeprefix(prefix)}"
             end = dict(code=ended.code, line=line, stage=stage, at=time.time(), launched=self.mine["launched"])
             write_json(os.path.join(self.folder, "ends", str(self.host)), end)
-            time.sleep(
-                1
-            )  # Another host may have ended at the same moment: the earlier end is the run's, on every host.
+            # Another host may have ended at the same moment: the earlier end is the run's, on every host.
+            time.sleep(1)
         ended, stage, host = self.first_end()
         return ended, stage, host == self.host
 
