@@ -574,10 +574,8 @@ def initialize_multiprocess(local_rank, local_world_size):  # host 1's second ch
     real_initialize_multiprocess(local_rank, local_world_size)
 """
 POD_FAULTS = FAULTS.replace("xr.global_ordinal() == 1", "xr.global_ordinal() == 3").replace(
-    "tt.CHECKS = (check_seeds,", "tt.CHECKS = (*tt.CHECKS, check_seeds,"
-)
-POD_FAULTS = (
-    POD_FAULTS.replace("range(10)", "range(1, 2)").replace("passed == 20", "passed == 2").replace("/20 PASS", "/2 PASS")
+    "tt.CHECKS = (check_seeds,",
+    "tt.CHECKS = (*tt.CHECKS,",  # the smoke test's own checks, then the faults
 )
 
 
@@ -2322,7 +2320,6 @@ def test_the_smoke_test_on_a_slice_gives_one_verdict_that_names_the_faulty_chips
     healthy = ["numerics", "checkpoint", "compilation", "learning", "collectives", "replicas"]
     assert [checks[name]["passed"] for name in ["devices", *healthy]] == [None] + [True] * 6, checks
     assert checks["collectives"]["figure"].endswith("on 4 replicas: bit for bit their closed form")
-    assert (checks["seeds"]["passed"], checks["seeds"]["figure"]) == (True, "2/2 PASS")  # no false alarm, another seed
     every = "replica 3 (host 1, device 1) differs in 3/3 steps (every time: its chip)"
     assert [checks[n]["figure"] for n in ("last bit", "1e-3")] == [every] * 2
     assert checks["once"]["figure"] == "replica 3 (host 1, device 1) differs in 1/3 steps (not every time: transient)"

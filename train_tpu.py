@@ -1119,11 +1119,14 @@ class Slice:
         return None
 
     def first_end(self):  # (Exit, stage, host) of the first end that a host of this launch wrote, or None
-        ends = [
-            (int(k), self.this_launch(os.path.join("ends", k))) for k in os.listdir(os.path.join(self.folder, "ends"))
-        ]
-        ends = sorted((end["at"], k, end) for k, end in ends if end)
-        return None if not ends else (Exit(ends[0][2]["code"], ends[0][2]["line"]), ends[0][2]["stage"], ends[0][1])
+        ends = []
+        for name in os.listdir(os.path.join(self.folder, "ends")):  # a file a host, named by its number
+            if end := self.this_launch(os.path.join("ends", name)):
+                ends.append((end["at"], int(name), end))
+        if not ends:
+            return None
+        _, host, end = min(ends)  # the earliest; at the same moment, the lower host's
+        return Exit(end["code"], end["line"]), end["stage"], host
 
     def share(self, ended, stage):
         """This host's end for every host, unless one came before it: (Exit, stage, whether it is this host's)."""
@@ -1147,7 +1150,8 @@ class Slice:
         beat = self.this_launch(f"host-{host}") or dict(name="never heard from", beats=None, stage=None)
         if beat["stage"] == "exited":
             return None  # It ended with the others, or is about to.
-        if self.heard.get(host, (None, None))[0] != beat["beats"] or host not in self.heard:
+        last = self.heard.get(host)
+        if last is None or last[0] != beat["beats"]:  # the first look, or a new beat: heard now
             self.heard[host] = (beat["beats"], time.monotonic())
         if time.monotonic() - self.heard[host][1] < HOST_SILENCE:
             return None
