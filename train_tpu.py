@@ -221,40 +221,6 @@ def evaluate(run):
 
 
 # ---- the epochs ------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Run:
-    """Everything one replica knows and makes. Under SPMD, the one process is the one replica."""
-
-    args: argparse.Namespace  # the flags, as parsed; never changed after
-    kind: str  # the device kind, "TPU" or "CPU"
-    out_dir: str  # the run folder: checkpoints, TensorBoard scalars, settings.json, verdict.json
-    control: "Control"  # how the replicas hear of a stop signal, and tell the launcher that one of them failed
-    device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
-    world: int = 1  # how many replicas train, each its own program (1 under SPMD)
-    rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes files (rank 0); nothing else asks "am I rank 0"
-    devices: int = 1  # how many devices the run trains on
-    mesh: object = None  # under SPMD: every device along one axis, "data"
-    global_batch: int = 0  # samples per step, over every device
-    load_batch: int = 0  # samples this process loads per step: the replica's, or under SPMD the global batch
-    steps: int = 0  # steps per epoch
-    model: nn.Module = None
-    optimizer: torch.optim.Optimizer = None
-    test: DataLoader = None  # this replica's share of the test set
-    log: "Log" = None
-    history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
-    epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
-    checks: list = dataclasses.field(default_factory=list)  # --smoke: {name, passed, figure} of each check done
-    places: list = None  # --smoke on a slice: [host, device] of each replica
-    untrained: "TestResult" = None  # --smoke: the initial weights' test loss and accuracy
-    warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
-    recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
-
-    def say(self, line):  # The master prints, and keeps the line in OUT/log.txt.
-        if self.master:
-            tell(self.out_dir, line)
-
-
 def train_epoch(run, batches, epoch, skip):
     """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint."""
     run.log.start_epoch(epoch, skip)
@@ -342,6 +308,41 @@ def main(argv=None):
 
 
 # ==== the instruments, each called by name from the training path above ===============================================
+
+
+# ---- a replica's state: every `run.` above ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+    """Everything one replica knows and makes. Under SPMD, the one process is the one replica."""
+
+    args: argparse.Namespace  # the flags, as parsed; never changed after
+    kind: str  # the device kind, "TPU" or "CPU"
+    out_dir: str  # the run folder: checkpoints, TensorBoard scalars, settings.json, verdict.json
+    control: "Control"  # how the replicas hear of a stop signal, and tell the launcher that one of them failed
+    device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
+    world: int = 1  # how many replicas train, each its own program (1 under SPMD)
+    rank: int = 0  # this replica's place among them
+    master: bool = True  # whether this replica prints and writes files (rank 0); nothing else asks "am I rank 0"
+    devices: int = 1  # how many devices the run trains on
+    mesh: object = None  # under SPMD: every device along one axis, "data"
+    global_batch: int = 0  # samples per step, over every device
+    load_batch: int = 0  # samples this process loads per step: the replica's, or under SPMD the global batch
+    steps: int = 0  # steps per epoch
+    model: nn.Module = None
+    optimizer: torch.optim.Optimizer = None
+    test: DataLoader = None  # this replica's share of the test set
+    log: "Log" = None
+    history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
+    epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
+    checks: list = dataclasses.field(default_factory=list)  # --smoke: {name, passed, figure} of each check done
+    places: list = None  # --smoke on a slice: [host, device] of each replica
+    untrained: "TestResult" = None  # --smoke: the initial weights' test loss and accuracy
+    warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
+    recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
+
+    def say(self, line):  # The master prints, and keeps the line in OUT/log.txt.
+        if self.master:
+            tell(self.out_dir, line)
 
 
 # ---- at log boundaries and the epoch's end: the stop agreement and the saves ----------------------------------------
