@@ -94,6 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
     p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
+    p.add_argument("--save-minutes", type=float, default=10.0, help="also checkpoint after M minutes with none; 0: off")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
     if "--smoke" in argv:  # Its presets replace the defaults, so that the flags given still win.
         p.set_defaults(**smoke)
@@ -228,7 +229,7 @@ def train_epoch(run, batches, epoch, skip):
     for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
         loss = train_step(run, batch, layerdrop_keep(run, epoch, step))
         run.log.add(step, loss)
-        checkpoint_or_stop(run, epoch, step)  # Stops if a signal came (seen at log boundaries); saves per --save-steps.
+        checkpoint_or_stop(run, epoch, step)  # per --save-steps, and when the launcher asks (on time, or to stop)
     if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
     end_epoch(run, epoch)  # It evaluates, logs and saves the epoch, and then stops if a signal came.
@@ -251,7 +252,8 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
         run.untrained = evaluate(run)  # the learning check's baseline: the initial weights' test loss
         smoke_check(run, check_devices)  # before training: a missing chip is the first FAIL, whatever follows
     first_epoch, skip = resume(run)  # (1, 0) if fresh. A resumed run is checked against its saved test loss.
-    run.control.set_stage(run.rank, "training")  # The launcher's stop signal now saves at a boundary, not ends at once.
+    start = (first_epoch - 1) * run.steps + skip  # steps done, over the epochs: the launcher asks checkpoints by them
+    run.control.set_stage(run.rank, "training", start)  # A stop signal now asks for a checkpoint, not ends at once.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
             shard.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
@@ -345,34 +347,30 @@ class Run:
             tell(self.out_dir, line)
 
 
-# ---- at log boundaries and the epoch's end: the stop agreement and the saves ----------------------------------------
+# ---- after each step and at the epoch's end: the checkpoints, and a stop --------------------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """After each step: at a log boundary or --save-steps step, the replicas agree on a stop (save, exit) or a save."""
+    """After each step: a checkpoint at each --save-steps step, and at the step the launcher asked for one (after
+    --save-minutes, or for a stop signal: it then stops). The epoch's last step is end_epoch()'s."""
     if step == run.steps:
-        return  # The epoch's last step is end_epoch()'s.
-    saving = run.args.save_steps is not None and step % run.args.save_steps == 0
-    if not saving and not run.log.is_boundary(step):
-        return  # Between boundaries nothing waits for the device.
-    # The stop signal (0 if none) travels in the same all-reduce as in end_epoch(), whose second figure is unused here.
-    signum = int(agree(run, [run.control.stop_signal(), 0])[0])
-    if signum:
+        return
+    asked = run.control.asked_at(run.rank, (epoch - 1) * run.steps + step)  # None, or 0 (on time), or the signal
+    on_steps = run.args.save_steps is not None and step % run.args.save_steps == 0
+    if on_steps or asked is not None:
         run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it logged.
-        save(run, next_epoch=epoch, steps_done=step)  # No evaluation: the grace before a forced exit is short.
-        stop(run, signum, f"epoch {epoch} step {step}")
-    if saving:
-        run.log.drain()
-        save(run, next_epoch=epoch, steps_done=step, test=evaluate(run))
+        test = evaluate(run) if on_steps and not asked else None  # A stop evaluates nothing: the grace is short.
+        save(run, next_epoch=epoch, steps_done=step, test=test)
+    if asked:
+        stop(run, asked, f"epoch {epoch} step {step}")
 
 
 def end_epoch(run, epoch):
-    """After the epoch's last step: the replicas agree whether to stop; it evaluates, logs and saves the epoch. Exits 3
-    past --max-recompiles (--smoke: a check); stops if a signal came, but after the last epoch, which finishes."""
+    """After the epoch's last step: it evaluates, logs and saves the epoch. Exits 3 past --max-recompiles (--smoke: a
+    check); stops if the launcher asked for a stop at this step, but after the last epoch, which finishes."""
+    asked = run.control.asked_at(run.rank, epoch * run.steps)
     recompiles = 0
     if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
         recompiles = compiles()[0] - run.warm_compiles
-    # The stop signal (0 if none) and the recompiles: the largest over the replicas, in the boundaries' one graph.
-    signum, most_recompiles = agree(run, [run.control.stop_signal(), recompiles]).int().tolist()
-    run.recompiles = most_recompiles
+    run.recompiles = int(agree(run, [recompiles])[0])  # the most of any replica, which --max-recompiles tests
     run.log.drain()
     test = evaluate(run)
     if run.warm_compiles is None:
@@ -380,11 +378,11 @@ def end_epoch(run, epoch):
     run.epochs.append(run.log.end_epoch(test))
     save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     limit = run.args.max_recompiles
-    if limit is not None and most_recompiles > limit and not run.args.smoke:
-        why = f"{most_recompiles} graphs compiled after warm-up (the first epoch trained here)"
+    if limit is not None and run.recompiles > limit and not run.args.smoke:
+        why = f"{run.recompiles} graphs compiled after warm-up (the first epoch trained here)"
         raise Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
-    if signum and epoch < run.args.epochs:
-        stop(run, signum, f"epoch {epoch + 1} step 0")
+    if asked and epoch < run.args.epochs:
+        stop(run, asked, f"epoch {epoch + 1} step 0")
 
 
 def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + the signal's number.
@@ -430,7 +428,7 @@ def prepare(args):
 
 RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
     (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
-    (("seed", "max_recompiles", "target_accuracy", "workers"), ">= 0", lambda v: v >= 0),
+    (("seed", "max_recompiles", "target_accuracy", "workers", "save_minutes"), ">= 0", lambda v: v >= 0),
     (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
     (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
     (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
@@ -619,12 +617,12 @@ WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so sa
 
 
 class Log:
-    """The master's output: a line at each log boundary and two at each epoch's end, and TensorBoard scalars. Losses
-    are read back one boundary late: those steps finished long ago, so the loop does not wait for the device."""
+    """The master's output: a line at each log boundary and two at each epoch's end, and TensorBoard scalars. A
+    boundary's loss is read back at the next: that step finished long ago, so the loop does not wait for the device."""
 
     def __init__(self, run):
         self.run = run
-        self.unread = []  # (step, its loss on the device), not yet read back
+        self.unread = []  # (boundary step, its loss on the device), not yet read back
         self.board = SummaryWriter(run.out_dir) if run.master else None  # TensorBoard's scalars, in the run folder
         mode = "SPMD" if run.mesh is not None else "a replica each"
         sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
@@ -636,7 +634,7 @@ class Log:
         self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one.
         self.started = None  # when step timed_from's graph launched
         self.previous = skip  # the last boundary's step
-        self.compiles_at_start = compiles()[0]
+        self.compiles_at_start, self.transfers_at_start = compiles()[0], transfers()
 
     def is_boundary(self, step):
         return step % self.run.args.log_steps == 0 or step == self.run.steps
@@ -645,8 +643,8 @@ class Log:
         """After each step is traced. MpDeviceLoader launched the steps before it, so the clock starts here."""
         if step == self.timed_from + 1:
             self.started = time.perf_counter()
-        self.unread.append((step, loss))
-        if self.is_boundary(step):
+        if self.is_boundary(step):  # Only a boundary's loss is read back: one transfer each, whatever the steps.
+            self.unread.append((step, loss))
             self.read(upto=self.previous)
             self.previous = step
 
@@ -656,15 +654,14 @@ class Log:
         self.finished = time.perf_counter()
 
     def read(self, upto=math.inf):
-        """Reads back the losses up to step `upto`: each to TensorBoard, a boundary's to its line and the history (a row
-        per step would grow every checkpoint). Each is then freed: live tensors slow every graph cut a little more."""
+        """Reads back the boundaries' losses up to step `upto`, to their lines, TensorBoard and the history. Each is
+        then freed: live tensors slow every graph cut a little more."""
         while self.unread and self.unread[0][0] <= upto:
             step, tensor = self.unread.pop(0)
             loss = float(tensor.cpu())
             self.scalar("train/loss", loss, step)
-            if self.is_boundary(step):
-                self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss))
-                self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {loss:.4f}")
+            self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss))
+            self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {loss:.4f}")
 
     def end_epoch(self, test):
         """Prints the epoch's two lines, and returns its row for the run's epochs."""
@@ -679,10 +676,10 @@ class Log:
         row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
         # This process's compiles, as the line says. run.recompiles, which --max-recompiles tests, is the most of any.
         row.update(compiles=total - self.compiles_at_start, recompiles=total - run.warm_compiles)
-        row["fallback_ops"] = fallback_ops()
+        row.update(fallback_ops=fallback_ops(), transfers=transfers() - self.transfers_at_start)
         counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
         compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['fallback_ops']}"
-        run.say(f"epoch {self.epoch} compiles in this process | {compiled}")
+        run.say(f"epoch {self.epoch} compiles in this process | {compiled} | device-to-host reads {row['transfers']}")
         for name, value in (("test/loss", test.loss), ("test/accuracy", test.accuracy), ("train/samples_per_s", rate)):
             if value is not None:  # (an epoch too short to time has no samples/s)
                 self.scalar(name, value, run.steps)
@@ -704,6 +701,10 @@ def compiles():  # graphs compiled in this process so far, and the seconds it to
     return count, nanoseconds / 1e9
 
 
+def transfers():  # device-to-host reads in this process so far, each a wait for the device: a batch of tensors is one
+    return (met.metric_data("TransferFromDeviceTime") or (0,))[0]
+
+
 def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()`, a wait in the step, counts too.
     names = [n for n in met.counter_names() if n.startswith("aten::")]
     return ", ".join(f"{n} x{met.counter_value(n)}" for n in names) or "none"
@@ -715,8 +716,8 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 # checkpoint-EEEE-SSSSSSSSS by its position. A replica per device: the master writes NAME.pt (xm.save). SPMD: each
 # device's shards go into NAME/ (DCP, docs: perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD
 # model, can compute something else (pytorch/xla#6660): --resume converts either format and checks the saved test loss.
-SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch")
-SETTINGS += ("layerdrop", "layerdrop_prob", "bf16", "log_steps")  # what a resumed run takes, unless given again
+SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop")
+SETTINGS += ("layerdrop_prob", "bf16", "log_steps", "save_steps", "save_minutes")  # what a resume takes, unless given
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -885,10 +886,16 @@ STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU 
 
 
 class Control:
-    """The launcher takes the stop signals and watches the replicas: one fails alone or dies, and it ends them all (the
-    others would wait for it). They meet in a folder: `stop` (the signal), `replica-N` ([pid, stage, stages, device]),
-    `failed-N` ([code, line, stage]), `checks` (--smoke's; on a slice in OUT/.slice). Each host's launcher watches its
-    own replicas, and on a slice the next host (Slice)."""
+    """The launcher takes the stop signals, asks the replicas for checkpoints, and watches them: one fails alone or
+    dies, and it ends them all (the others would wait for it). They meet in a folder: `stop` (the signal), `replica-N`
+    ([pid, stage, stages, device]), `failed-N` ([code, line, stage]), `board` (below); and with the other hosts' (on a
+    slice in OUT/.slice): `checks` (--smoke's), `signal-H`, `ask-N`, `bound-N-H`. Each host's launcher watches its own
+    replicas, and on a slice the next host (Slice).
+
+    A checkpoint at a step that every replica reaches, asked with no collective and no wait while none is: each
+    replica writes its step into `board`, a memory map, after each step (a quarter of a microsecond). To ask, host 0
+    posts ask-N; each host's launcher holds its replicas (board[0] = N: each waits at its next step), posts the least
+    step they can all still reach, and writes the largest of every host's into board[1]: the step asked."""
 
     def __init__(self, args, out_dir, pod=None):
         self.args = args
@@ -907,17 +914,26 @@ class Control:
         self.grace_ends = math.inf  # when a stop signal's grace is over
         self.lock = threading.Lock()
         self.verdict = None  # the Exit of a smoke verdict the launcher wrote
+        self.board = np.memmap(os.path.join(self.folder, "board"), np.int64, "w+", shape=2 + 1024)  # (below)
+        self.asked = {}  # {rank: (N, signal, step)} of the checkpoint last asked, as a replica of this process knows it
+        self.stop_asked, self.saved_at = False, None  # host 0: whether a stop was asked; when training or a save began
+        self.woken = threading.Event()  # set by a signal: the watch answers at once
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
         keep = ("args", "out_dir", "folder", "shared", "host", "hosts", "in_process")
-        return {name: getattr(self, name) for name in keep} | {"progress": collections.Counter(), "devices": {}}
+        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, asked={})
+
+    @functools.cached_property
+    def board(self):  # a replica process's view of the launcher's memory map: [N held, the step asked, each's step]
+        return np.memmap(os.path.join(self.folder, "board"), np.int64, "r+", shape=2 + 1024)
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
 
-    def read(self, prefix):  # {name: value} of the files whose names start with `prefix`, the oldest first
-        names = [n for n in os.listdir(self.folder) if n.startswith(prefix) and not n.endswith(".tmp")]
-        paths = sorted((os.path.join(self.folder, n) for n in names), key=os.path.getmtime)
+    def read(self, prefix, folder=None):  # {name: value} of the files whose names start with `prefix`, the oldest first
+        folder = folder or self.folder
+        names = [n for n in os.listdir(folder) if n.startswith(prefix) and not n.endswith(".tmp")]
+        paths = sorted((os.path.join(folder, n) for n in names), key=os.path.getmtime)
         return {os.path.basename(p): read_json(p) for p in paths}
 
     def replicas(self):  # {rank: [process id, stage, stages so far]} of the replicas whose runtime started, by rank
@@ -928,9 +944,25 @@ class Control:
     def stop_signal(self):  # the number of the signal the launcher took, or 0
         return self.read("stop").get("stop", 0)
 
-    def set_stage(self, rank, stage):  # The launcher learns the replica's process, its device, and how far it got.
+    def set_stage(self, rank, stage, step=None):  # The launcher learns its process, device, how far it got (and step).
+        if step is not None:
+            self.board[2 + self.devices[rank]] = step
         self.progress[rank] += 1
         self.write(f"replica-{rank}", [os.getpid(), stage, self.progress[rank], self.devices.get(rank)])
+
+    def asked_at(self, rank, step):
+        """After each step (counted over the epochs): at the step the launcher asked a checkpoint for, 0 (on time) or
+        the stop signal's number; else None. At its first step after a hold, a replica launches its step and waits."""
+        board = self.board
+        board[2 + self.devices[rank]] = step
+        if board[0] != self.asked.get(rank, (0,))[0]:
+            torch_xla.sync()  # Its step runs, and the replicas that wait for it in a collective reach their next step.
+            while board[1] >> 40 != board[0]:
+                time.sleep(0.01)
+            word = int(board[1])  # N << 40 | signal << 32 | step: one write, read whole
+            self.asked[rank] = (word >> 40, word >> 32 & 0xFF, word & 0xFFFFFFFF)
+        _, signum, at = self.asked.get(rank, (0, 0, -1))
+        return signum if step == at else None
 
     def fail_alone(self, rank, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
         ended = e if isinstance(e, Exit) else Exit(1, f"replica {rank}: {report_bug(e)}")
@@ -957,12 +989,13 @@ class Control:
             os.environ.pop(name, None)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at its next boundary.
+    def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop within a few steps.
         name = signal.Signals(signum).name
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
                 self.write("stop", signum)
+                self.post(f"signal-{self.host}", signum)
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
         self.signalled = (signum, time.monotonic())
         stages = {stage for _, stage, *_ in self.replicas().values()}
@@ -972,9 +1005,11 @@ class Control:
             self.end(self.conclude(Exit(128 + signum, f"stopped by {name} before training began: nothing to save")))
         else:
             self.write("stop", signum)
-            why = f"no log boundary within {STOP_GRACE} s, nothing saved"
+            self.post(f"signal-{self.host}", signum)  # Host 0 asks every replica to checkpoint at a step, then stop.
+            why = f"a step (or its compilation) takes longer than the {STOP_GRACE} s grace: nothing saved"
             self.grace_over = Exit(128 + signum, f"stopped by {name}: {why}")
             self.grace_ends = time.monotonic() + STOP_GRACE
+            self.woken.set()
 
     def watch(self):
         """Every half second: ends the run if a replica process died (xmp.spawn's pool can miss one in Python 3.11) or
@@ -991,10 +1026,55 @@ class Control:
                     self.end(self.conclude(self.grace_over))
                 elif time.monotonic() > self.deadline:
                     self.end(self.deadline_passed(replicas))
-                time.sleep(0.5)
+                else:
+                    self.serve(replicas)
+                self.woken.wait(0.5)
+                self.woken.clear()
         except Exception as e:  # A bug here must not leave the run unwatched. (The folder goes when the run ends.)
             if os.path.isdir(self.folder):
                 self.end(self.conclude(Exit(1, f"run control {report_bug(e)}")))
+
+    def serve(self, replicas):
+        """The launcher's part in a checkpoint asked at a step. Host 0 asks, for a stop signal on any host or after
+        --save-minutes without a checkpoint, once the last step asked is past. Every host holds its replicas, and
+        posts the least step they can all still reach; once every host's is in, the largest is the step asked."""
+        board, n = self.board, int(self.board[0])
+        if n and board[1] >> 40 != n:  # held: the step, once every host's is in
+            bounds = [self.posted(f"bound-{n}-{host}") for host in range(self.hosts)]
+            if None not in bounds:
+                board[1] = n << 40 | self.posted(f"ask-{n}") << 32 | max(bounds)
+            return
+        training = [device for _, stage, _, device in replicas.values() if stage == "training"]
+        if not training or any(board[2 + device] < board[1] & 0xFFFFFFFF for device in training):
+            return  # The replicas have yet to reach the step last asked.
+        if self.host == 0 and (signum := self.wanted()) is not None:
+            self.post(f"ask-{n + 1}", signum)
+        if self.posted(f"ask-{n + 1}") is not None:
+            board[0] = n + 1  # From now on each replica waits at its next step, until board[1] says the step asked.
+            # A replica whose step reads k checks at k + 1 at the latest, and sees the hold (+ 1 more, should its write
+            # of k + 1 and its read of the hold cross this launcher's in memory).
+            self.post(f"bound-{n + 1}-{self.host}", max(int(board[2 + device]) for device in training) + 2)
+            self.serve(replicas)
+
+    def wanted(self):  # host 0: the signal of a stop that any host took, 0 for a checkpoint on time, or None
+        signals = self.read("signal-", self.shared).values()
+        if signals and not self.stop_asked:
+            self.stop_asked = True
+            return max(signals)
+        newest = [os.path.getmtime(path) for path in checkpoints(self.out_dir)[-1:]]
+        self.saved_at = max([self.saved_at or time.time(), *newest])  # (training's start, the first time)
+        if self.args.save_minutes and time.time() - self.saved_at >= 60 * self.args.save_minutes:
+            self.saved_at = time.time()
+            return 0
+        return None
+
+    def post(self, name, value):  # for every host's launcher: on a slice in OUT/.slice
+        write_json(os.path.join(self.shared, name), value)
+
+    def posted(self, name):
+        with contextlib.suppress(FileNotFoundError):
+            return read_json(os.path.join(self.shared, name))
+        return None
 
     def why_replicas_ended(self):  # (an Exit, its stage) of a process ended before its replicas, or of a failure
         replicas = self.replicas()
@@ -1098,9 +1178,10 @@ class Slice:
         os.makedirs(os.path.join(self.folder, "ends"), exist_ok=True)
         with contextlib.suppress(FileNotFoundError):  # this host's end of an earlier launch
             os.remove(os.path.join(self.folder, "ends", str(host)))
-        if host == 0:  # No replica has started yet on any host: the master's checks of an earlier launch go.
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.folder, "checks"))
+        if host == 0:  # No replica has started yet on any host: what an earlier launch's replicas left goes.
+            for name in os.listdir(self.folder):
+                if name == "checks" or name.startswith(("signal-", "ask-", "bound-")):
+                    os.remove(os.path.join(self.folder, name))
         threading.Thread(target=self.beat, name="train_tpu slice", daemon=True).start()
 
     def beat(self):
