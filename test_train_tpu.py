@@ -290,11 +290,11 @@ def world(root, kind, *argv, patch="", when=None, timeout=300, replicas=2, **how
     return group([sys.executable, "-u", str(launcher), *map(str, argv)], root, when, environ, timeout, **how)
 
 
-def on_slice(root, out, *argv, patch="", timeout=120, when=None, **how):
+def on_slice(root, out, *argv, patch="", timeout=120, when=None, replicas=2, **how):
     """Runs train_tpu.py on an emulated pod slice: two hosts, each a launcher of two replica processes (the world of
-    processes), ordinals host x 2 + local rank, one gloo world of 4 whose collectives wait when a peer is gone, one
-    --out-dir. `when` maps a host to (the line prefix, the signals): sent to both hosts' groups, or with "alone" to its
-    own. Returns each host's group() result, and the monotonic time it ended."""
+    processes; or `replicas`), ordinals host x 2 + local rank, one gloo world of 4 whose collectives wait when a peer
+    is gone, one --out-dir. `when` maps a host to (the line prefix, the signals): sent to both hosts' groups, or with
+    "alone" to its own. Returns each host's group() result, and the monotonic time it ended."""
     launcher = root / "world.py"
     if not launcher.exists():
         launcher.write_text(WORLD)
@@ -302,6 +302,7 @@ def on_slice(root, out, *argv, patch="", timeout=120, when=None, **how):
 
     def host(k):
         environ = env(WORLD="processes", WORLD_STORE=store, WORLD_PATCH=patch, WORLD_HOST=k, WORLD_HOSTS=2)
+        environ["WORLD_REPLICAS"] = str(replicas)
         environ["FAULT_FILE"] = str(root / f"{out}.fault")  # when a patch's fault happened (time.monotonic())
         environ.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
         line, signals = (when or {}).get(k, (None, ()))
@@ -578,8 +579,8 @@ def pod_fault(how, step=8):
 
 POD_START = f"""
 real_initialize_multiprocess = initialize_multiprocess
-def initialize_multiprocess(local_rank, local_world_size):  # host 1's second chip is held by another process
-    if HOST == 1 and local_rank == 1:
+def initialize_multiprocess(local_rank, local_world_size):  # host 1's chip is held by another process
+    if HOST == 1:
         open(os.environ["FAULT_FILE"], "w").write(str(time.monotonic()))
         print("FAULT: host 1's runtime fails", flush=True)
         {FAILS_TO_START}
@@ -651,9 +652,6 @@ def started(tmp_path_factory):
                 0.02,
                 cwd=root,
             ),
-            cli(
-                "--resume", "base", "--out-dir", "finished", "--target-accuracy", 90, cwd=root
-            ),  # nothing left to train
         )
 
     slow = [sys.executable, "-u", str(slow_copy(root / "slow"))]
@@ -770,14 +768,16 @@ def started(tmp_path_factory):
             nohup=True,
         ),
         "pod_killed": lambda: on_slice(root, "pod-killed", "--smoke", *POD, patch=pod_fault("os.kill(os.getpid(), 9)")),
-        "pod_lost": lambda: on_slice(  # host 1's launcher and replicas killed at once, as a VM that is gone
+        "pod_lost": lambda: on_slice(  # host 1's launcher and replica killed at once, as a VM that is gone
             root,
             "pod-lost",
             *POD,
-            patch=pod_fault("time.sleep(3600)") + "tt.HOST_SILENCE = 8\n",
+            patch=pod_fault("time.sleep(3600)").replace("global_ordinal() == 3", "global_ordinal() == 1")
+            + "tt.HOST_SILENCE = 8\n",
             when={1: ("FAULT", ("alone", signal.SIGKILL))},
+            replicas=1,
         ),
-        "pod_start": lambda: on_slice(root, "pod-start", "--smoke", *POD, patch=POD_START),
+        "pod_start": lambda: on_slice(root, "pod-start", "--smoke", *POD, patch=POD_START, replicas=1),
         "pod_stop": lambda: pod_stopped_then_one_raises(root),
     }
     first = ("straight", "pod_stop", "pod_smoke", "pod_lost", "pod_killed", "pod_start")
@@ -1325,7 +1325,7 @@ def test_checkpoints_asked_on_time_and_for_a_stop_land_on_one_step_of_every_repl
                 control.serve(control.replicas())
             time.sleep(0.001)
 
-    threads = [threading.Thread(target=replica, args=(rank,), name=f"replica {rank}") for rank in range(4)]
+    threads = [threading.Thread(target=replica, args=(rank,), name=f"replica {rank}", daemon=True) for rank in range(4)]
     threading.Thread(target=launchers, daemon=True).start()
     for t in threads:
         t.start()
@@ -1333,8 +1333,9 @@ def test_checkpoints_asked_on_time_and_for_a_stop_land_on_one_step_of_every_repl
     assert len(saves[0]) >= 3  # saves asked, and no stop yet
     at_signal = max(steps)
     controls[1].on_signal(signal.SIGTERM, None)
+    deadline = time.monotonic() + 30
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
     done.set()
     assert [stops.get(rank) for rank in range(4)] == [stops[0]] * 4 and stops[0][1] == signal.SIGTERM
     assert at_signal < stops[0][0] <= at_signal + 10  # (milliseconds a step: the launchers' latency is steps here)
@@ -1581,12 +1582,11 @@ def test_a_run_learns_logs_its_boundaries_saves_on_its_save_steps_and_keeps_its_
 
 
 def test_resuming_a_finished_run_trains_nothing_and_reports_its_saved_accuracy(runs):
-    r = ok(runs["straight"][3])
-    saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["epochs"][-1][
-        "accuracy"
-    ]
-    assert "continuing at epoch 3 of 2" in r.stdout and not re.search(r"^epoch \d+ step", r.stdout, re.M)
-    assert r.stdout.strip().splitlines()[-1] == f"done | 2 epochs | test accuracy {saved:.2f}%" and saved > 90
+    out = ok(runs["fit"]).stdout.split("FINISHED\n")[1]  # fit()'s smoke run, finished, then resumed
+    saved = torch.load(runs["root"] / "fit" / "checkpoint-0003-000000000.pt", weights_only=True)["epochs"][-1]
+    assert "continuing at epoch 3 of 2" in out and not re.search(r"^epoch \d+ step", out, re.M)
+    assert out.strip().splitlines()[-1] == f"done | 2 epochs | test accuracy {saved['accuracy']:.2f}%"
+    assert saved["accuracy"] > 90
 
 
 def same_run(a, b):
@@ -1639,7 +1639,7 @@ def test_kill_9_resumes_exactly_from_the_newest_checkpoint_which_it_saved_on_tim
 
 # ---- SPMD, and checkpoints that move between the modes -------------------------------------------------------------
 def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(runs):
-    base, spmd, back, _ = runs["straight"]
+    base, spmd, back = runs["straight"]
     saved = torch.load(runs["root"] / "base" / "checkpoint-0003-000000000.pt", weights_only=True)["test_loss"]
     check = re.search(r"resume check \| test loss saved (\S+), now (\S+) \(tolerance 1e-05\)", ok(spmd).stdout)
     assert float(check.group(1)) == pytest.approx(saved, abs=1e-6) and abs(float(check.group(2)) - saved) <= 1e-5
@@ -1759,12 +1759,14 @@ with torch.no_grad():
 losses = [h["loss"] for h in r.history]
 print(json.dumps(dict(verdict=r.verdict, steps=len(r.history), first=r.history[0], losses=losses, epochs=r.epochs,
                       accuracy=accuracy, device=str(next(r.model.parameters()).device))))
+print("FINISHED", flush=True)  # then the finished run, resumed: nothing is left to train
+tt.fit("--resume", "fit", "--cores", 1, "--target-accuracy", 90)
 """
 
 
 def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(runs):
     r = ok(runs["fit"])
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(r.stdout.split("\nFINISHED\n")[0].splitlines()[-1])
     checks = {c["name"]: c["passed"] for c in got["verdict"]["checks"]}
     assert got["verdict"]["passed"] is True and list(checks) == [
         "devices",
@@ -2414,15 +2416,15 @@ def test_a_host_that_vanishes_from_a_slice_ends_the_others_after_its_silence(run
     assert last_line_of(err) == f"train_tpu.py: {line}checkpoints stay"
     assert runs["pod_lost"][1][0][0] == -signal.SIGKILL and not runs["pod_lost"][1][0][3]  # host 1: all killed
     assert [os.path.basename(p) for p in tt.checkpoints(str(runs["root"] / "pod-lost"))] == [
-        "checkpoint-0001-000000256.pt"
+        "checkpoint-0001-000000128.pt"  # step 4: one replica a host, 32 samples a step
     ]
 
 
 def test_a_runtime_that_will_not_start_on_one_host_of_a_slice_ends_every_host_with_a_verdict(runs):
-    """Host 1's second chip is held by another process: its runtime fails in xmp.spawn's own start of the process,
-    before train_tpu.py's function runs, while the others wait for it."""
+    """Host 1's chip (one replica a host) is held by another process: its runtime fails in xmp.spawn's own start of
+    the process, before train_tpu.py's function runs, while host 0's replica waits for it."""
     busy = "TPU initialization failed: The TPU is already in use by process with pid 4242."
-    failed = f"host 1 (vm): replica process 1 (its local rank) failed to start: RuntimeError: {busy}"
+    failed = f"host 1 (vm): replica process 0 (its local rank) failed to start: RuntimeError: {busy}"
     fault = float((runs["root"] / "pod-start.fault").read_text())
     assert abs(runs["pod_start"][0][1] - runs["pod_start"][1][1]) < 10  # the shared end, not a silence
     for k, ((code, _out, err, left, _), ended) in enumerate(runs["pod_start"]):
