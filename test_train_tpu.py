@@ -1343,6 +1343,22 @@ def test_checkpoints_asked_on_time_and_for_a_stop_land_on_one_step_of_every_repl
     assert sorted(syncs) == sorted(f"replica {rank}" for rank in range(4) for _ in range(len(saves[0]) + 1))
 
 
+def test_a_step_that_outlasts_the_grace_ends_the_run_saying_so_after_the_checkpoint_was_asked_2_steps_on(
+    monkeypatch, tmp_path
+):
+    ended = []
+    monkeypatch.setattr(tt.Control, "end", lambda control, e: ended.append(e))  # (the real one ends this process)
+    monkeypatch.setattr(tt, "STOP_GRACE", 0.5)
+    with tt.Control(tt.parse_args([]), str(tmp_path)) as control:
+        control.devices[0] = 0
+        control.set_stage(0, "training", 41)  # step 41 done; step 42 takes longer than the grace
+        control.on_signal(signal.SIGTERM, None)
+        time.sleep(1.5)  # (the watch looks every half second)
+    assert control.board[1] & 0xFFFFFFFF == 43  # the step asked: its next, and one more
+    why = "a step (or its compilation) takes longer than the 0.5 s grace: nothing saved"
+    assert {(e.code, e.line) for e in ended} == {(143, f"stopped by SIGTERM: {why}")}  # (the mock ends nothing)
+
+
 def test_a_sighup_taken_before_the_sigterm_that_came_with_it_is_sigterms_stop_even_if_a_replica_saw_the_sighup(
     monkeypatch, tmp_path
 ):
