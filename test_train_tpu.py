@@ -874,12 +874,12 @@ def test_the_layerdrop_model_learns_with_a_layer_per_coin_flip_and_is_evaluated_
     model = tt.ToyModel("dynamic")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(80):
-        x, y = tt.model_input(images[step * 64 : (step + 1) * 64]), labels[step * 64 : (step + 1) * 64]
+        x, y = tt.normalized(images[step * 64 : (step + 1) * 64]), labels[step * 64 : (step + 1) * 64]
         optimizer.zero_grad()
         F.cross_entropy(model(x, coins(args, 1, step + 1, None)), y).backward()
         optimizer.step()
     with torch.no_grad():
-        accuracy = (model(tt.model_input(test_images)).argmax(1) == test_labels).float().mean().item()
+        accuracy = (model(tt.normalized(test_images)).argmax(1) == test_labels).float().mean().item()
     assert accuracy > 0.9  # (a plain chain of fc2, fc2(fc2(...)), stays at chance: about 0.1)
 
 
@@ -904,7 +904,7 @@ def test_synthetic_digits_are_deterministic_learnable_and_not_trivial():
     assert images.dtype == torch.uint8 and images.shape == (6000, 1, 28, 28)
     assert torch.bincount(labels, minlength=10).min() > 450
     test_images, test_labels = tt.synthetic_digits(1000, 99)
-    x, test_x = tt.model_input(images), tt.model_input(test_images)
+    x, test_x = tt.normalized(images), tt.normalized(test_images)
     torch.manual_seed(0)
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -934,16 +934,15 @@ def write_idx_mnist(root, n_train, n_test):
         )
 
 
-def test_mnist_files_are_read_as_uint8_and_scaled_as_torchvision_would(tmp_path):
+def test_mnist_files_are_read_and_normalized_as_torchvision_would(tmp_path):
     write_idx_mnist(tmp_path, 300, 100)
     args = tt.parse_args(["--data-dir", str(tmp_path)])
     images, labels = tt.dataset(args, train=False).tensors  # the files found: no download
-    assert torch.equal(images, tt.synthetic_digits(100, 12)[0]) and torch.equal(labels, tt.synthetic_digits(100, 12)[1])
+    pixels, expected_labels = tt.synthetic_digits(100, 12)  # what the files hold
     normalize = torchvision.transforms.Normalize((0.1307,), (0.3081,))
-    expected = torch.stack([normalize(torchvision.transforms.functional.to_tensor(p[0].numpy())) for p in images[:8]])
-    assert torch.allclose(tt.model_input(images[:8]), expected, atol=1e-6)
-    with pytest.raises(TypeError, match="replace it too"):  # float data is never rescaled silently
-        tt.model_input(expected)
+    expected = torch.stack([normalize(torchvision.transforms.functional.to_tensor(p[0].numpy())) for p in pixels])
+    assert torch.equal(labels, expected_labels) and images.dtype == torch.float32
+    assert torch.allclose(images, expected, atol=1e-6) and tt.model_input(images) is images
 
 
 def fake_run(world, rank, batch, seed=3):
@@ -2305,6 +2304,7 @@ def test_a_tpus_default_precision_passes_the_numerics_and_resume_checks_and_an_o
     """A TPU multiplies in bfloat16 by default (float32 sums), emulated here on the host for the convolution and the
     linear layer: within what a TPU run allows, beyond what float32 on the CPU allows; a wrong layout beyond both."""
     x, y = tt.synthetic_digits(128, 3)
+    x = tt.normalized(x)
     torch.manual_seed(0)
     state = tt.ToyModel().state_dict()
     model = tt.ToyModel()

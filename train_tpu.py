@@ -110,20 +110,22 @@ def parse_args(argv=None):
 def dataset(args, train):
     """One split: any map-style torch Dataset of (input, label) samples, torchvision's with their transforms too."""
     if args.data == "synthetic":
-        digits = synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234)
-        return InMemory(*digits, smoke_target=90.0)  # the accuracy (%) --smoke must reach on them; yours need none
+        images, labels = synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234)
+        return InMemory(normalized(images), labels, smoke_target=90.0)  # the accuracy (%) --smoke must reach on them
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
     with quietly():  # torchvision prints every download attempt. It downloads only what --data-dir lacks.
         mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
-    return InMemory(mnist.data.unsqueeze(1), mnist.targets)  # uint8 (N, 1, 28, 28): no PIL image, no transform
+    return InMemory(normalized(mnist.data.unsqueeze(1)), mnist.targets)  # (N, 1, 28, 28): no PIL image, no transform
+
+
+def normalized(pixels):  # uint8 pixels as Normalize() makes them, once: 4 ops fewer to trace a step, 4x the memory
+    return (pixels.float() / 255 - 0.1307) / 0.3081
 
 
 def model_input(x):
-    """A batch's input as the model takes it, on the device: here MNIST's uint8 pixels, scaled as Normalize() would."""
-    if x.dtype != torch.uint8:  # The Dataset was replaced and this was not: never rescale floats silently.
-        raise TypeError(f"model_input expects uint8 pixels, got {x.dtype}: replace it too")
-    return (x.float() / 255 - 0.1307) / 0.3081
+    """A batch's input as the model takes it, on the device: here as it comes (uint8 scaled here: 4 ops a step)."""
+    return x
 
 
 # ---- model: your own goes here (edit 2 of 2) -------------------------------------------------------------------------
@@ -888,14 +890,12 @@ STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU 
 class Control:
     """The launcher takes the stop signals, asks the replicas for checkpoints, and watches them: one fails alone or
     dies, and it ends them all (the others would wait for it). They meet in a folder: `stop` (the signal), `replica-N`
-    ([pid, stage, stages, device]), `failed-N` ([code, line, stage]), `board` (below); and with the other hosts' (on a
-    slice in OUT/.slice): `checks` (--smoke's), `signal-H`, `ask-N`, `bound-N-H`. Each host's launcher watches its own
-    replicas, and on a slice the next host (Slice).
-
-    A checkpoint at a step that every replica reaches, asked with no collective and no wait while none is: each
-    replica writes its step into `board`, a memory map, after each step (a quarter of a microsecond). To ask, host 0
-    posts ask-N; each host's launcher holds its replicas (board[0] = N: each waits at its next step), posts the least
-    step they can all still reach, and writes the largest of every host's into board[1]: the step asked."""
+    ([pid, stage, stages, device]), `failed-N` ([code, line, stage]), `board`; and every host's (on a slice in
+    OUT/.slice): `checks` (--smoke's), `signal-H`, `ask-N`, `bound-N-H`. Each launcher watches its replicas, and on a
+    slice the next host (Slice). A checkpoint is asked at a step with no collective and no wait until then: after each
+    step a replica writes it into `board`, a memory map (0.4 us). Host 0 posts ask-N; each launcher holds its replicas
+    (board[0] = N: each waits at its next step), posts the least step they can all still reach, and writes the largest
+    of every host's into board[1]: the step asked."""
 
     def __init__(self, args, out_dir, pod=None):
         self.args = args
