@@ -1372,6 +1372,7 @@ def test_a_sighup_taken_before_the_sigterm_that_came_with_it_is_sigterms_stop_ev
     with pytest.raises(tt.Exit) as stopped:
         tt.stop(run, seen, "epoch 2 step 10")
     assert seen == signal.SIGHUP and stopped.value.code == 143
+    assert control.grace_over.code == 143 and control.grace_over.line.startswith("stopped by SIGTERM: ")
     assert stopped.value.line == "stopped by SIGTERM at epoch 2 step 10, checkpoint saved: continue with --resume OUT"
 
 

@@ -996,6 +996,8 @@ class Control:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
                 self.write("stop", signum)
                 self.post(f"signal-{self.host}", signum)
+                if self.grace_ends < math.inf:  # (and its line, should the grace end first)
+                    self.grace_over = Exit(128 + signum, self.grace_over.line.replace("SIGHUP", "SIGTERM"))
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
         self.signalled = (signum, time.monotonic())
         stages = {stage for _, stage, *_ in self.replicas().values()}
