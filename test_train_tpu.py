@@ -1342,6 +1342,25 @@ def test_checkpoints_asked_on_time_and_for_a_stop_land_on_one_step_of_every_repl
     assert sorted(syncs) == sorted(f"replica {rank}" for rank in range(4) for _ in range(len(saves[0]) + 1))
 
 
+def test_a_checkpoint_deleted_while_the_launcher_lists_them_is_left_out(monkeypatch, tmp_path):
+    """The master keeps the newest 2 and deletes the rest; the launcher's watch lists them for --save-minutes at any
+    moment. A name listed, then gone before its time is read, must not end the run ("run control failed")."""
+    for name in ("checkpoint-0001-000000000.pt", "checkpoint-0002-000000000.pt", "checkpoint-0003-000000000.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    real = os.path.getmtime
+
+    def getmtime(path):  # the oldest goes between the listing and this read
+        if str(path).endswith("0001-000000000.pt"):
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(tt.os.path, "getmtime", getmtime)
+    assert [os.path.basename(p) for p in tt.checkpoints(str(tmp_path))] == [
+        "checkpoint-0002-000000000.pt",
+        "checkpoint-0003-000000000.pt",
+    ]
+
+
 def test_a_step_that_outlasts_the_grace_ends_the_run_saying_so_after_the_checkpoint_was_asked_2_steps_on(
     monkeypatch, tmp_path
 ):

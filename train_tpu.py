@@ -765,8 +765,13 @@ def checkpoints(folder):
     names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and not n.endswith(".tmp")]
     paths = [os.path.join(folder, n) for n in names]
     paths = [p for p in paths if p.endswith(".pt") or os.path.exists(os.path.join(p, ".metadata"))]
-    # Newest by write time, not by name: a run resumed from an older checkpoint goes on in the same folder.
-    return sorted(paths, key=lambda p: (os.path.getmtime(p), p))
+    # Newest by write time, not by name: a run resumed from an older checkpoint goes on in the same folder. One that the
+    # master deletes meanwhile (the launcher's look for --save-minutes can come then) is left out.
+    written = {}
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            written[path] = os.path.getmtime(path)
+    return sorted(written, key=lambda p: (written[p], p))
 
 
 def find_checkpoint(path):
@@ -1063,7 +1068,7 @@ class Control:
         if signals and not self.stop_asked:
             self.stop_asked = True
             return max(signals)
-        newest = [os.path.getmtime(path) for path in checkpoints(self.out_dir)[-1:]]
+        newest = [os.path.getmtime(path) for path in checkpoints(self.out_dir)[-1:]]  # (never deleted: the newest)
         self.saved_at = max([self.saved_at or time.time(), *newest])  # (training's start, the first time)
         if self.args.save_minutes and time.time() - self.saved_at >= 60 * self.args.save_minutes:
             self.saved_at = time.time()
