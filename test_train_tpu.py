@@ -266,8 +266,8 @@ pjrt.initialize_multiprocess = initialize_multiprocess
 pjrt.run_multiprocess = run_threads
 if PROCESSES:
     pjrt.run_multiprocess = run_processes
-    xr.world_size = lambda: N * HOSTS
-    xr.global_ordinal = lambda: HOST * N + int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", 0))
+    xr.world_size = xr.process_count = lambda: N * HOSTS
+    xr.global_ordinal = xr.process_index = lambda: HOST * N + int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", 0))
     tt.this_host = lambda kind: (HOST, HOSTS)  # what a TPU VM's metadata says
 exec(os.environ.get("WORLD_PATCH", ""))
 if __name__ == "__main__":
@@ -290,15 +290,17 @@ def world(root, kind, *argv, patch="", when=None, timeout=300, replicas=2, **how
     return group([sys.executable, "-u", str(launcher), *map(str, argv)], root, when, environ, timeout, **how)
 
 
-def on_slice(root, out, *argv, patch="", timeout=120, when=None, replicas=2, **how):
-    """Runs train_tpu.py on an emulated pod slice: two hosts, each a launcher of two replica processes (the world of
-    processes; or `replicas`), ordinals host x 2 + local rank, one gloo world of 4 whose collectives wait when a peer
-    is gone, one --out-dir. `when` maps a host to (the line prefix, the signals): sent to both hosts' groups, or with
-    "alone" to its own. Returns each host's group() result, and the monotonic time it ended."""
+def on_slice(root, out, *argv, patch="", timeout=240, when=None, replicas=1, **how):
+    """Runs train_tpu.py on an emulated pod slice: two hosts, each a launcher of `replicas` replica processes (the world
+    of processes), ordinals host x replicas + local rank, one gloo world whose collectives wait when a peer is gone, one
+    coordination service (in process 0, on host 0) on a port of its own, one --out-dir. `when` maps a host to (the line
+    prefix, the signals): sent to both hosts' groups, or with "alone" to its own. Returns each host's group() result,
+    and the monotonic time it ended."""
     launcher = root / "world.py"
     if not launcher.exists():
         launcher.write_text(WORLD)
     store, peers = root / f"store-{out}-{time.monotonic_ns()}", []  # gloo's rendezvous: one per run
+    port = tt.free_port()  # the coordination service's, on "host 0": every run its own
 
     def host(k):
         environ = env(WORLD="processes", WORLD_STORE=store, WORLD_PATCH=patch, WORLD_HOST=k, WORLD_HOSTS=2)
@@ -308,7 +310,8 @@ def on_slice(root, out, *argv, patch="", timeout=120, when=None, replicas=2, **h
         line, signals = (when or {}).get(k, (None, ()))
         ours = [] if "alone" in signals else peers
         signals = tuple(s for s in signals if s != "alone")
-        command = [sys.executable, "-u", str(launcher), *map(str, argv), "--out-dir", out]
+        command = [sys.executable, "-u", str(launcher), *map(str, argv), "--out-dir", out, "--coordinator-port", port]
+        command = [str(a) for a in command]
         result = group(command, root, line, environ, timeout, signals=signals or (signal.SIGTERM,), peers=ours, **how)
         return result, time.monotonic()
 
@@ -463,7 +466,7 @@ real_numerics = tt.check_numerics
 def check_numerics(run):  # replica 1's device computes the first step wrong
     passed, figure = real_numerics(run)
     return passed and run.rank != 1, figure
-tt.CHECKS = (check_numerics, *tt.CHECKS[1:])
+tt.CHECKS = (tt.check_arithmetic, check_numerics, *tt.CHECKS[2:])
 """
 ALONE = """
 def collective_broadcast(*args, **kwargs):  # replica 1 alone cannot read its checkpoint; 0 waits in the broadcast
@@ -520,9 +523,10 @@ def smoke_dies(root, kind, out, how):  # --smoke, with replica 1 dying `how` at 
 
 FAULTS = """
 fault = []  # what replica 1 gets wrong while a check below runs
-real_step, real_reduce = tt.replica_step, xm.all_reduce
-def replica_step(args, state, x, y, device):
-    program, values = real_step(args, state, x, y, device)
+real_step, real_reduce = tt.first_step, xm.all_reduce
+def first_step(args, state, x, y, device, dtype=torch.float32):
+    program, parts = real_step(args, state, x, y, device, dtype)
+    values = parts[2]  # the gradients
     if device.type == "xla" and xr.global_ordinal() == 1 and fault == ["last bit"]:
         values[7:8].view(torch.int32).bitwise_xor_(1)  # one gradient element, in its last bit
     if device.type == "xla" and xr.global_ordinal() == 1 and fault == ["1e-3"]:
@@ -532,13 +536,13 @@ def replica_step(args, state, x, y, device):
     if device.type == "xla" and xr.global_ordinal() == 1 and fault == ["once"]:
         fault.append("done")  # the first of the three steps only
         values[7] += 1e-3
-    return program, values
+    return program, parts
 def all_reduce(reduce_type, inputs, *args, **kwargs):
     result = real_reduce(reduce_type, inputs, *args, **kwargs)
     if fault == ["all-reduce"] and xr.global_ordinal() == 1 and reduce_type == xm.REDUCE_SUM and inputs.numel() == 4096:
         result[17] += 1.0  # one element of replica 1's result
     return result
-tt.replica_step, xm.all_reduce = replica_step, all_reduce
+tt.first_step, xm.all_reduce = first_step, all_reduce
 def with_fault(name, check):
     def run_check(run):
         fault.append(name)
@@ -562,11 +566,11 @@ tt.CHECKS = (check_seeds, *faults, with_fault("all-reduce", tt.check_collectives
 POD = ["--data", "synthetic", "--epochs", 2, "--steps-per-epoch", 10, "--batch-size", 16, "--save-steps", 4]
 POD_FAULT = """
 real_step, steps = xm.optimizer_step, []
-def optimizer_step(optimizer, *args, **kwargs):  # replica 3 (host 1, local rank 1), at its STEPth step: HOW
+def optimizer_step(optimizer, *args, **kwargs):  # replica 1 (host 1's), at its STEPth step: HOW
     steps.append(1)
-    if len(steps) == STEP and xr.global_ordinal() == 3:
+    if len(steps) == STEP and xr.global_ordinal() == 1:
         open(os.environ["FAULT_FILE"], "w").write(str(time.monotonic()))
-        print("FAULT: replica 3", flush=True)
+        print("FAULT: replica 1", flush=True)
         HOW
     return real_step(optimizer, *args, **kwargs)
 xm.optimizer_step = optimizer_step
@@ -595,17 +599,17 @@ POD_FAULTS = FAULTS.replace("xr.global_ordinal() == 1", "xr.global_ordinal() == 
 def pod_stopped_then_one_raises(root):
     """SIGTERM, then SIGHUP, to every host's group at epoch 2 step 3 (2.5 s steps), each read by a `tee`, the master
     writing late;
-    then --resume on every host, where replica 3 raises once the checkpoint of epoch 3 step 4 is there: each host's
+    then --resume on every host, where replica 1 raises once the checkpoint of epoch 3 step 4 is there: each host's
     results, the files the stop saved, the step it saved at and its checkpoint."""
     when = {0: ("epoch 2 step 2/", HANGUP)}
     stopped = on_slice(root, "pod-stop", *WORLD_RUN, patch=SLOW_MASTER + SLOW_EPOCH_2, when=when, tee=True)
     saved = sorted(os.listdir(root / "pod-stop"))
     stop = tt.load_checkpoint(tt.find_checkpoint(str(root / "pod-stop")))
     fault = pod_fault("raise RuntimeError('bad chip')").replace(
-        "len(steps) == 8", 'os.path.exists("pod-stop/checkpoint-0003-000000256.pt")'
+        "len(steps) == 8", 'os.path.exists("pod-stop/checkpoint-0003-000000128.pt")'
     )
     resumed = on_slice(root, "pod-stop", "--resume", "pod-stop", "--save-steps", 4, patch=fault)
-    return stopped, saved, stop["samples"] // 64, stop, resumed
+    return stopped, saved, stop["samples"] // 32, stop, resumed
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -693,6 +697,9 @@ def started(tmp_path_factory):
             when="done | ",
         ),
         "two_killed": lambda: world(root, "processes", *TWO_KILLED.split(), patch=KILLED_MID_WRITE),
+        "two_stop": lambda: world(  # two replica threads (v2/v3), a step apart at times; 2.5 s steps from epoch 2
+            root, "threads", *WORLD_RUN, "--out-dir", "two-stop", patch=SLOW_EPOCH_2, when="epoch 2 step 1/"
+        ),
         "two_recompiles": lambda: world(root, "threads", *TWO_RECOMPILES.split(), patch=LATE_LAST_SAVE, timeout=150),
         "alone": lambda: world(root, "threads", "--data", "synthetic", "--out-dir", "alone", patch=ALONE, timeout=90),
         "two_stall": lambda: world(
@@ -714,35 +721,20 @@ def started(tmp_path_factory):
             patch="tt.train = lambda run: time.sleep(3600)  # the only replica, in this process, hangs",
         ),
         "fit": lambda: script(FIT_SMOKE, cwd=root),
-        "smoke_spmd": lambda: cli(
-            "--smoke",
-            "--spmd",
-            "--cores",
-            2,
-            "--bf16",
-            "--steps-per-epoch",
-            20,
-            "--out-dir",
-            "smoke-spmd",
-            cwd=root,
-            patch=SHARDING,
-        ),
         "tampered": lambda: tampered(root),
         "busy": lambda: cli("--cores", 1, "--data", "synthetic", "--out-dir", "busy", cwd=root, patch=BUSY),
-        "static": lambda: cli(*LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta", cwd=root),
+        "static": lambda: cli(  # without the tensorboard package
+            *LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta", cwd=root, patch=NO_BOARD
+        ),
         "yours": lambda: yours(root),
-        "yours_threads": lambda: world(yours_folder, "threads", "--smoke", *YOURS, "--out-dir", "threads", patch=SEEDS),
-        "yours_one": lambda: cli(
-            "--smoke",
-            "--cores",
-            1,
-            *YOURS,
-            "--out-dir",
-            "one",
-            cwd=yours_folder,
-            file=yours_folder / "train_tpu.py",
+        "stock": lambda: stock(root),
+        "stock_one": lambda: cli(
+            *["--smoke", "--cores", 1, *STOCK, "--out-dir", "one"],
+            cwd=two_edits(root / "stock-one", STOCK_DATA, STOCK_MODEL),
+            file=root / "stock-one" / "train_tpu.py",
             **exit_handlers(root, "one"),
         ),
+        "yours_threads": lambda: world(yours_folder, "threads", "--smoke", *YOURS, "--out-dir", "threads", patch=SEEDS),
         "yours_lr": lambda: cli(
             *["--smoke", "--cores", 1, *YOURS, "--lr", 1e-12, "--epochs", 1, "--steps-per-epoch", 5, "--out-dir", "lr"],
             cwd=yours_folder,
@@ -766,24 +758,26 @@ def started(tmp_path_factory):
             timeout=180,
             when={0: ("epoch 1 step 5/", (signal.SIGHUP,))},
             nohup=True,
+            replicas=2,
         ),
         "pod_killed": lambda: on_slice(root, "pod-killed", "--smoke", *POD, patch=pod_fault("os.kill(os.getpid(), 9)")),
         "pod_lost": lambda: on_slice(  # host 1's launcher and replica killed at once, as a VM that is gone
             root,
             "pod-lost",
             *POD,
-            patch=pod_fault("time.sleep(3600)").replace("global_ordinal() == 3", "global_ordinal() == 1")
-            + "tt.HOST_SILENCE = 8\n",
+            patch=pod_fault("time.sleep(3600)"),
             when={1: ("FAULT", ("alone", signal.SIGKILL))},
             replicas=1,
         ),
-        "pod_start": lambda: on_slice(root, "pod-start", "--smoke", *POD, patch=POD_START, replicas=1),
+        "pod_start": lambda: on_slice(  # host 0's replica waits for host 1's at the service, until the deadline
+            root, "pod-start", "--smoke", "--smoke-timeout", 40, *POD, patch=POD_START, replicas=1
+        ),
         "pod_stop": lambda: pod_stopped_then_one_raises(root),
     }
-    first = ("straight", "pod_stop", "pod_smoke", "pod_lost", "pod_killed", "pod_start")
+    first = ("stock", "straight", "pod_stop", "pod_smoke", "pod_lost", "pod_killed", "pod_start")
     jobs = {name: jobs[name] for name in first} | jobs  # the longest first: the pool's last job ends the session
     only = os.environ.get("RUNS_ONLY", ",".join(jobs)).split(",")  # when working on one property
-    with ThreadPoolExecutor(max_workers=4) as pool:  # on 2 cores: imports, deadlines and signals leave some idle
+    with ThreadPoolExecutor(max_workers=5) as pool:  # on 2 cores: imports, deadlines and the slice's waits idle
         yield root, {name: pool.submit(timed, job) for name, job in jobs.items() if name in only}
 
 
@@ -1079,6 +1073,22 @@ def test_on_a_pod_slice_one_host_modes_are_refused_and_out_dir_is_needed(pod, tm
     assert os.path.isdir(tmp_path / "shared")
 
 
+def test_cores_8_on_a_v4_8_or_a_v5p_8_means_its_4_devices_and_a_count_it_has_not_exits_2(pod, monkeypatch, capsys):
+    """Their names count TensorCores, 2 a megacore chip; torch_xla reads a device a chip (tpu.py, as emulated here)."""
+    from torch_xla._internal import tpu
+
+    monkeypatch.setattr(tpu, "num_tpu_workers", lambda: 1)
+    monkeypatch.setattr(tpu, "worker_id", lambda: 0)
+    for accelerator in ("v4-8", "v5p-8"):
+        monkeypatch.setattr(tpu, "get_tpu_env", lambda a=accelerator: {"ACCELERATOR_TYPE": a})
+        assert tt.check_environment(tt.parse_args(["--cores", 8])) == ("TPU", 0, 1, 4)
+        line = f"--cores 8: the 8 TensorCores of this {accelerator}, here 4 devices, a replica each\n"
+        assert capsys.readouterr().out == line
+        for cores in (2, 16):
+            with pytest.raises(tt.Exit, match=f"--cores {cores}: this machine has 4 TPU devices; use --cores 1 or 4"):
+                tt.check_environment(tt.parse_args(["--cores", cores]))
+
+
 def test_a_tpu_vm_whose_metadata_cannot_be_read_exits_2(pod, monkeypatch):
     from torch_xla._internal import tpu
 
@@ -1163,7 +1173,7 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
     monkeypatch.setattr(tt.xm, "all_reduce", lambda kind, t: sent.append(t.dtype) or t)
     monkeypatch.setattr(tt.torch_xla, "sync", lambda: None)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    tt.broadcast_weights(types.SimpleNamespace(world=2, model=model))
+    tt.broadcast(types.SimpleNamespace(world=2), [*model.parameters(), *model.buffers()])
     assert len(sent) == 6 and set(sent) == {torch.float32}  # 4 parameters, the running mean and variance
     sent.clear()
     run = types.SimpleNamespace(world=2, device=torch.device("cpu"))
@@ -1279,67 +1289,44 @@ def test_a_stop_signal_before_training_ends_at_once_and_in_a_check_after_it_fini
     assert ended == ["stopped by a second SIGTERM, at once: nothing saved"]
 
 
-def test_checkpoints_asked_on_time_and_for_a_stop_land_on_one_step_of_every_replica_of_every_host(
-    monkeypatch, tmp_path
-):
-    """Two hosts' launchers meeting in one folder (a slice's OUT/.slice), two replicas each: threads that meet at every
-    step, as a collective makes them, at random paces. Host 0 asks for a checkpoint every 0.1 s (--save-minutes), and
-    for a stop once host 1 takes SIGTERM. Every replica learns each step asked before it reaches it, and all stop at
-    one step, soon after the signal (2.5 s steps: within 3, below). A replica waits for its device only when asked."""
-    syncs = []  # a replica launches its pending step when it sees a hold: nothing else waits
-    monkeypatch.setattr(tt.torch_xla, "sync", lambda: syncs.append(threading.current_thread().name))
-    args = tt.parse_args(["--save-minutes", 0.1 / 60])
-    controls = [
-        tt.Control(args, str(tmp_path), types.SimpleNamespace(folder=str(tmp_path), host=h, hosts=2)) for h in (0, 1)
-    ]
-    meet, saves, stops, steps, done = (
-        threading.Barrier(4),
-        collections.defaultdict(list),
-        {},
-        [0] * 4,
-        threading.Event(),
-    )
-    rng = np.random.default_rng(0)
-    pauses = 2e-3 + rng.random((4, 100_000)) * 8e-3  # 2 to 10 ms a step; the launchers look every millisecond
+def test_two_replica_threads_of_one_process_at_different_steps_stop_at_the_one_step_the_service_names(monkeypatch):
+    """TPU v2/v3: one process, two replica threads that meet at every step (a collective) at random paces, one a step
+    ahead at times. The coordination service keeps one step counter a process: it hears only the process's highest
+    step, never one lower; once a SIGTERM came, the step it names (the highest it heard, + 1) stops both threads."""
+    heard, notice = [], threading.Event()
+    named = []
+
+    def sync_point_reached(step):  # the PreemptionSyncManager, as tsl's preemption_sync_manager.cc keeps it
+        assert not heard or step > heard[-1], (heard[-3:], step)  # one counter: it never goes back
+        heard.append(step)
+        if notice.is_set() and not named:
+            named.append(step + 1)
+        return bool(named) and step == named[0]
+
+    monkeypatch.setattr(tt.torch_xla._XLAC, "_sync_point_reached", sync_point_reached)
+    control = pickle.loads(pickle.dumps(tt.Control(tt.parse_args([]), "out")))  # as xmp.spawn gives it to a process
+    control.joined = True
+    meet, stops, steps = threading.Barrier(2), {}, [0, 0]
+    pauses = 1e-3 + np.random.default_rng(0).random((2, 100_000)) * 4e-3
 
     def replica(rank):
-        control = controls[rank // 2]
-        control.devices[rank] = rank % 2
-        control.set_stage(rank, "training", 0)
         for step in range(1, 100_000):
-            meet.wait()
+            meet.wait(timeout=10)  # (the other stopped: a collective that never ends)
             time.sleep(pauses[rank, step])
             steps[rank] = step
-            asked = control.asked_at(rank, step)
-            if asked == 0:
-                saves[rank].append(step)
-            elif asked:
+            if asked := control.stop_asked(step):
                 stops[rank] = (step, asked)
-                control.set_stage(rank, "stopping")
                 return
 
-    def launchers():
-        while not done.is_set():
-            for control in controls:
-                control.serve(control.replicas())
-            time.sleep(0.001)
-
-    threads = [threading.Thread(target=replica, args=(rank,), name=f"replica {rank}", daemon=True) for rank in range(4)]
-    threading.Thread(target=launchers, daemon=True).start()
+    threads = [threading.Thread(target=replica, args=(rank,), daemon=True) for rank in (0, 1)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    assert len(saves[0]) >= 3  # saves asked, and no stop yet
+    time.sleep(0.5)
     at_signal = max(steps)
-    controls[1].on_signal(signal.SIGTERM, None)
-    deadline = time.monotonic() + 30
+    notice.set()
     for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-    done.set()
-    assert [stops.get(rank) for rank in range(4)] == [stops[0]] * 4 and stops[0][1] == signal.SIGTERM
-    assert at_signal < stops[0][0] <= at_signal + 10  # (milliseconds a step: the launchers' latency is steps here)
-    assert saves[0] == saves[1] == saves[2] == saves[3]  # each save asked, on the same step of every replica
-    assert sorted(syncs) == sorted(f"replica {rank}" for rank in range(4) for _ in range(len(saves[0]) + 1))
+        t.join(timeout=20)
+    assert stops[0] == stops[1] == (named[0], signal.SIGTERM) and at_signal < named[0] <= at_signal + 3, stops
 
 
 def test_a_checkpoint_deleted_while_the_launcher_lists_them_is_left_out(monkeypatch, tmp_path):
@@ -1361,18 +1348,14 @@ def test_a_checkpoint_deleted_while_the_launcher_lists_them_is_left_out(monkeypa
     ]
 
 
-def test_a_step_that_outlasts_the_grace_ends_the_run_saying_so_after_the_checkpoint_was_asked_2_steps_on(
-    monkeypatch, tmp_path
-):
+def test_a_step_that_outlasts_the_grace_ends_the_run_saying_so(monkeypatch, tmp_path):
     ended = []
     monkeypatch.setattr(tt.Control, "end", lambda control, e: ended.append(e))  # (the real one ends this process)
     monkeypatch.setattr(tt, "STOP_GRACE", 0.5)
     with tt.Control(tt.parse_args([]), str(tmp_path)) as control:
-        control.devices[0] = 0
-        control.set_stage(0, "training", 41)  # step 41 done; step 42 takes longer than the grace
+        control.set_stage(0, "training")  # its step takes longer than the grace
         control.on_signal(signal.SIGTERM, None)
         time.sleep(1.5)  # (the watch looks every half second)
-    assert control.board[1] & 0xFFFFFFFF == 43  # the step asked: its next, and one more
     why = "a step (or its compilation) takes longer than the 0.5 s grace: nothing saved"
     assert {(e.code, e.line) for e in ended} == {(143, f"stopped by SIGTERM: {why}")}  # (the mock ends nothing)
 
@@ -1428,6 +1411,7 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     monkeypatch.setattr(tt, "compiles", lambda: (7, 1.5))
     monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
     run = types.SimpleNamespace(master=False, steps=30, global_batch=256, warm_compiles=5, args=tt.parse_args([]))
+    run.control = types.SimpleNamespace(in_process=True)
     vars(run).update(mesh=None, devices=2, kind="CPU", out_dir="out", say=printed.append)
     log = tt.Log(run)
     log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
@@ -1450,7 +1434,7 @@ def test_the_numerics_check_compares_one_set_of_weights_whatever_your_initialisa
     run = fake_run(1, 0, 8)
     vars(run).update(kind="CPU", device=torch.device("cpu"), test=tt.loader(run, tt.dataset(run.args, False), []))
     passed, figure = tt.check_numerics(run)
-    assert passed and "logits 0.0e+00" in figure, figure  # the same weights on both sides: identical logits
+    assert passed and figure.endswith("within float32's own spread (or 1e-05)"), figure  # else O(1) apart: a FAIL
 
 
 def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_path):
@@ -1559,7 +1543,7 @@ def test_the_verdict_combines_every_replicas_checks(monkeypatch, tmp_path, capsy
         tt.smoke_verdict(run)
     verdict = json.loads((tmp_path / "verdict.json").read_text())
     assert [c["passed"] for c in verdict["checks"]] == [None, False]
-    assert verdict["checks"][1]["figure"] == "f | FAILED on replica(s) [1]"
+    assert verdict["checks"][1]["figure"] == "f | FAILED on replica(s) [1] | points at " + tt.POINTS_AT["numerics"]
 
 
 # ---- checkpoints and metrics (in this process) ---------------------------------------------------------------------
@@ -1568,7 +1552,7 @@ def test_damaged_checkpoints_exit_2_in_one_line(runs, tmp_path):
     data = Path(good).read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
     torch.save({"weights": 1}, tmp_path / "other.pt")
-    spmd = tt.find_checkpoint(str(runs["root"] / "smoke-spmd"))
+    spmd = tt.find_checkpoint(str(runs["root"] / "yours" / "smoke"))
     os.system(f"cp -r {spmd} {tmp_path / 'dcp'}")
     shard = max((tmp_path / "dcp").glob("*.distcp"), key=os.path.getsize)
     shard.write_bytes(shard.read_bytes()[:100])
@@ -1645,12 +1629,12 @@ def test_sigterm_then_sighup_over_ssh_mid_a_slow_epoch_saves_within_3_steps_and_
     assert code == 143 and after < tt.STOP_GRACE, err
     stopped = re.search(r"stopped by SIGTERM at epoch 2 step (\d+), checkpoint saved: continue with --resume", err)
     step = int(stopped.group(1))
-    assert 9 < step <= 9 + 3 and err.strip().splitlines()[-1] == "train_tpu.py: " + stopped.group(0) + " stop-SIGTERM"
+    assert 9 <= step <= 9 + 3 and err.strip().splitlines()[-1] == "train_tpu.py: " + stopped.group(0) + " stop-SIGTERM"
     assert f"checkpoint-0002-{step * 128:09d}.pt" in saved  # the stop's position: `step` steps of 128 into epoch 2
     log = (runs["root"] / "stop-SIGTERM" / "log.txt").read_text().splitlines()  # the run's, then the resumed run's
     log = log[: log.index(err.strip().splitlines()[-1]) + 1]
     assert "epoch 1 done" in out and "SLOW STEP 39" in out and "epoch 2 step 10/30" not in out  # after tee died
-    assert [line.split(" |")[0] for line in log if line.startswith("epoch 2 step ")] == ["epoch 2 step 10/30"]
+    assert not [line for line in log if line.startswith("epoch 2 step ")]  # (the stop came before its boundary)
     check = re.search(
         r"resume check \| saved on a stop: one test batch's logits, device vs eager CPU (\S+) ", ok(resumed).stdout
     )
@@ -1696,13 +1680,13 @@ def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(ru
 
 
 def test_a_dcp_checkpoint_read_back_keeps_the_momentum(runs):
-    saved = final(runs["root"] / "smoke-spmd")  # a DCP folder, written under SPMD
-    model = tt.ToyModel()
+    saved = final(runs["root"] / "yours" / "smoke")  # a DCP folder, written under SPMD: your copy's 8 parameters
+    weights = [t for name, t in saved["model"].items() if not name.split(".")[-1].startswith(("running", "num_"))]
+    model = torch.nn.ParameterList(weights)  # SmallCNN's parameters, in its order
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
+    optimizer.load_state_dict(saved["optimizer"])  # (DCP keys its state by strings, which this would silently drop)
     buffers = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
-    assert all(b is not None and b.abs().sum() > 0 for b in buffers) and len(buffers) == 4
+    assert all(b is not None and b.abs().sum() > 0 for b in buffers) and len(buffers) == 8
 
 
 SHARDING = """
@@ -1769,7 +1753,7 @@ def test_a_runtime_that_cannot_start_exits_2_with_its_first_line(runs):
 
 
 def test_spmd_shards_every_field_of_every_batch_along_the_mesh(runs):
-    shardings = [line for line in runs["smoke_spmd"].stdout.splitlines() if line.startswith("SHARDING")]
+    shardings = [line for line in runs["yours"][0].stdout.splitlines() if line.startswith("SHARDING")]
     assert "SHARDING {'input': '{devices=[2,1,1,1]0,1}', 'label': '{devices=[2]0,1}'}" in shardings  # training's
     assert (
         "SHARDING {'input': '{devices=[2,1,1,1]0,1}', 'label': '{devices=[2]0,1}', 'valid': '{devices=[2]0,1}'}"
@@ -1778,8 +1762,13 @@ def test_spmd_shards_every_field_of_every_batch_along_the_mesh(runs):
 
 
 # ---- layerdrop: dynamic recompiles, static does not ----------------------------------------------------------------
-def test_static_layerdrop_compiles_one_graph(runs):  # (dynamic layerdrop: two replica threads, below)
-    static = ok(runs["static"])
+NO_BOARD = "sys.modules['torch.utils.tensorboard'] = None  # as if tensorboard were not installed"
+
+
+def test_static_layerdrop_compiles_one_graph_and_trains_without_tensorboard_saying_so_once(runs):
+    static = ok(runs["static"])  # (dynamic layerdrop: two replica threads, below)
+    assert static.stdout.count("tensorboard | not installed: no scalars written (pip install tensorboard)") == 1
+    assert not [n for n in os.listdir(runs["root"] / "sta") if n.startswith("events.out.tfevents")]
     assert "epoch 2 compiles in this process | this epoch 0 | recompiles after warm-up 0" in static.stdout
     assert len(re.findall(r"done \| test loss (\S+)", static.stdout)) == 2
 
@@ -1805,6 +1794,7 @@ def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(run
     checks = {c["name"]: c["passed"] for c in got["verdict"]["checks"]}
     assert got["verdict"]["passed"] is True and list(checks) == [
         "devices",
+        "arithmetic",
         "numerics",
         "checkpoint",
         "compilation",
@@ -1830,11 +1820,12 @@ def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(run
 
 
 def test_smoke_under_spmd_with_bf16_passes_within_its_tolerance(runs):
-    r = ok(runs["smoke_spmd"])
-    verdict = json.loads((runs["root"] / "smoke-spmd" / "verdict.json").read_text())
+    r = ok(runs["yours"][0])  # your copy, --bf16 under SPMD
+    verdict = json.loads((runs["root"] / "yours" / "smoke" / "verdict.json").read_text())
     assert [c["passed"] for c in verdict["checks"][-2:]] == [None, None]  # SPMD: one program, no replicas to compare
-    assert verdict["passed"] and [c["name"] for c in verdict["checks"]][1] == "numerics"
-    assert verdict["checks"][1]["figure"].endswith("(tolerance 5e-02)") and "2 devices, SPMD" in r.stdout
+    assert verdict["passed"] and [c["name"] for c in verdict["checks"]][2] == "numerics"
+    assert verdict["checks"][2]["figure"].endswith("within float32's own spread (or 5e-02)"), verdict["checks"][2]
+    assert "2 devices, SPMD" in r.stdout
 
 
 # ---- the world of two replicas --------------------------------------------------------------------------------
@@ -1890,6 +1881,7 @@ def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_wri
     assert verdict["passed"] is False
     assert [(c["name"], c["passed"]) for c in verdict["checks"]] == [
         ("devices", None),
+        ("arithmetic", True),
         ("numerics", False),
         ("checkpoint", True),
         ("compilation", True),
@@ -1897,7 +1889,7 @@ def test_a_smoke_check_failed_by_replica_1_fails_the_verdict_that_the_master_wri
         ("collectives", True),
         ("replicas", True),  # two replica threads: the same bits
     ]
-    assert verdict["checks"][1]["figure"].endswith("| FAILED on replica(s) [1]")
+    assert verdict["checks"][2]["figure"].endswith(f"| FAILED on replica(s) [1] | points at {tt.POINTS_AT['numerics']}")
     assert "2 devices, a replica each | global batch 256 | lr 0.05 | 20 steps per epoch" in out
     model = tt.ToyModel()
     model.load_state_dict(final(runs["root"] / "two-smoke")["model"])
@@ -2021,9 +2013,53 @@ def test_a_replica_that_raises_mid_training_under_smoke_gives_a_verdict_that_nam
     assert last_line_of(err) == f"train_tpu.py: failed: smoke verdict FAIL: training: {happened}"
 
 
-def test_replica_processes_whose_launcher_was_killed_end_on_sigterm_instead_of_holding_their_chips(runs):
-    seconds = runs["orphans"]
+def test_replica_processes_whose_launcher_was_killed_end_instead_of_holding_their_chips(runs):
+    seconds = runs["orphans"]  # from the SIGTERM to the group, sent once the launcher is gone
     assert seconds is not None and seconds < 10  # (while the launcher lives, the same handler ignores the signal)
+
+
+def test_two_replica_threads_stop_at_one_step_agreed_by_the_coordination_service(runs):
+    """TPU v2/v3: one replica process, two threads, libtpu's plugin started; SIGTERM to the group mid epoch 2. The
+    service takes it over libtpu's handler, and both threads save at one step (else one waits in a collective for
+    ever, and the grace ends the run)."""
+    code, out, err, left, after = runs["two_stop"]
+    stopped = re.search(
+        r"stopped by SIGTERM at epoch 2 step (\d+), checkpoint saved: continue with --resume two-stop", err
+    )
+    assert code == 143 and stopped and not left and after < tt.STOP_GRACE, err[-3000:]
+    assert "SIGTERM caught" in err and "takes longer than" not in err  # (XLA's preemption notifier logs it)
+    step = int(stopped.group(1))
+    assert os.path.exists(runs["root"] / "two-stop" / f"checkpoint-0002-{step * 32:09d}.pt")
+
+
+def test_healthy_ends_in_every_world_show_no_abort_and_every_run_has_a_port_of_its_own(runs):
+    """XLA's coordination service never shuts down, and its clients abort when process 0, its host, ends first: none
+    of these runs, whose replicas all ended as they should, shows an abort. And no two runs shared a port."""
+    ended = {
+        "processes, --smoke": runs["stock"][0],
+        "processes, resumed": runs["stock"][1],
+        "threads, --smoke": runs["yours_threads"],
+        "threads, exit 3": runs["two_recompiles"],
+        "slice host 0": runs["pod_smoke"][0][0],
+        "slice host 1": runs["pod_smoke"][1][0],
+    }
+    for name, (code, _out, err, left, _) in ended.items():
+        assert code in (0, 3, 5) and not left and "Terminating process" not in err, (name, code, err[-2000:])
+    ports = collections.Counter()
+
+    def look(value):  # every output of every run, once
+        if isinstance(value, str):
+            ports.update(re.findall(r"\| coordination service port (\d+)", value))
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                look(v)
+        elif isinstance(value, subprocess.CompletedProcess):
+            look(value.stdout)
+
+    for name, result in runs.items():
+        if name != "root":
+            look(result)
+    assert len(ports) >= 12 and set(ports.values()) == {1}, ports
 
 
 def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(runs):
@@ -2119,10 +2155,10 @@ def slow_copy(folder):
     return folder / "train_tpu.py"
 
 
-def two_edits(folder):
+def two_edits(folder, data=YOUR_DATA, model=YOUR_MODEL):
     """A copy of train_tpu.py with its two "your own" sections replaced, and nothing else, beside its PNG files."""
     source = Path(HERE, "train_tpu.py").read_text()
-    for banner, text in (("data: your own", YOUR_DATA), ("model: your own", YOUR_MODEL)):
+    for banner, text in (("data: your own", data), ("model: your own", model)):
         start = source.index("\n", source.index("# ---- " + banner)) + 1
         source = source[:start] + text + source[source.index("\n# ---- ", start) + 1 :]
     folder.mkdir(exist_ok=True)
@@ -2134,14 +2170,47 @@ def two_edits(folder):
 
 
 def yours(root):
-    """The copy: --smoke under SPMD, saving every 5 steps; then a run resumed from its checkpoint at epoch 2 step 10."""
+    """The copy: --smoke under SPMD with --bf16, saving every 5 steps, each loader's first batch's sharding printed;
+    then a run resumed from its checkpoint at epoch 2 step 10."""
     folder = root / "yours"
-    smoke = cli(
-        "--smoke", "--spmd", "--cores", 2, *YOURS, "--save-steps", 5, "--out-dir", "smoke", cwd=folder, patch=""
-    )
+    argv = ["--smoke", "--spmd", "--cores", 2, "--bf16", *YOURS, "--save-steps", 5, "--out-dir", "smoke"]
+    smoke = cli(*argv, cwd=folder, patch=SHARDING)
     mid = tt.checkpoints(str(folder / "smoke"))[0]  # the older of the two kept
     argv = ["--resume", mid, "--spmd", "--cores", 2, "--workers", 2, "--out-dir", "resumed"]
     return smoke, mid, cli(*argv, cwd=folder, patch=READS)
+
+
+STOCK_DATA = """def dataset(args, train):  # synthetic digits tinted by class: PIL images through transforms
+    import torchvision.transforms as T
+
+    images, labels = synthetic_digits(1_280 if train else 256, seed=7 if train else 8)
+    tints = torch.rand(10, 3, 1, 1, generator=torch.Generator().manual_seed(0))  # a colour per class
+    images = (images * tints[labels]).to(torch.uint8)  # 3 x 28 x 28
+    to_input = T.Compose([T.ToPILImage(), T.ToTensor(), T.Normalize([0.1] * 3, [0.2] * 3)])
+    return [(to_input(image), int(label)) for image, label in zip(images, labels, strict=True)]
+
+
+def model_input(x):
+    return x
+
+
+"""
+STOCK_MODEL = """def build_model(args):  # a stock torchvision CNN, BatchNorm and max-pooling included
+    import torchvision
+
+    return torchvision.models.shufflenet_v2_x0_5(num_classes=10)
+
+
+"""
+STOCK = ["--batch-size", 16, "--lr", 0.01]  # 40 steps an epoch under --smoke: 62 in a replica's share
+
+
+def stock(root):
+    """The stock copy in two replica processes: --smoke; then resumed from its last checkpoint, at the epoch's end,
+    which trains nothing and checks the test loss saved with it (each replica evaluates with its own statistics)."""
+    folder = two_edits(root / "stock", STOCK_DATA, STOCK_MODEL)
+    smoke = world(folder, "processes", "--smoke", *STOCK, "--out-dir", "procs", timeout=240)
+    return smoke, world(folder, "processes", "--resume", "procs", timeout=240)
 
 
 SEEDS = """
@@ -2159,11 +2228,10 @@ def test_your_model_with_batchnorm_and_dropout_on_data_that_allows_60_percent_pa
     runs,
 ):
     """Its labels are numpy's int32, its model has BatchNorm and Dropout, its data allows 60% at best: --smoke PASSes
-    with --cores 1, under SPMD, and with two replica threads; on the slice of four replica processes every check of its
-    own PASSes (the faults are the slice's test's); with --lr 1e-12 it FAILs learning."""
+    under SPMD and with two replica threads; on the slice of two hosts every check of its own PASSes (the faults are
+    the slice's test's); with --cores 1 and --lr 1e-12 it FAILs learning, pointing at the run's settings."""
     folder = runs["root"] / "yours"
     for name, code, out, err in [
-        ("one", runs["yours_one"].returncode, runs["yours_one"].stdout, runs["yours_one"].stderr),
         ("smoke", runs["yours"][0].returncode, runs["yours"][0].stdout, runs["yours"][0].stderr),
         ("threads", *runs["yours_threads"][:3]),
     ]:
@@ -2173,10 +2241,10 @@ def test_your_model_with_batchnorm_and_dropout_on_data_that_allows_60_percent_pa
         assert 40 < accuracy < 75, (name, accuracy)  # learned, as far as the data allows
         learning = next(c for c in verdict["checks"] if c["name"] == "learning")
         assert learning["passed"] and learning["figure"].endswith(f"-> {accuracy:.2f}% (target 0%)"), learning
-    assert "2 devices, SPMD" in runs["yours"][0].stdout and "1 devices, a replica each" in runs["yours_one"].stdout
+    assert "2 devices, SPMD" in runs["yours"][0].stdout  # (--cores 1: the stock copy, below)
     verdict = json.loads((folder / "pod-smoke" / "verdict.json").read_text())
-    assert [c["passed"] for c in verdict["checks"][:7]] == [None, True, True, True, True, True, True]  # (devices: CPU)
-    learning = verdict["checks"][4]
+    assert [c["passed"] for c in verdict["checks"][:8]] == [None] + [True] * 7  # (devices: CPU)
+    learning = verdict["checks"][5]
     assert learning["name"] == "learning" and learning["figure"].endswith(
         f"-> {final(folder / 'pod-smoke')['epochs'][-1]['accuracy']:.2f}% (target 0%)"
     )
@@ -2189,6 +2257,55 @@ def test_your_model_with_batchnorm_and_dropout_on_data_that_allows_60_percent_pa
     )
     untrained, best = map(float, re.match(r"test loss (\S+) untrained -> (\S+) at best", learning["figure"]).groups())
     assert learning["passed"] is False and 0.99 * untrained < best  # (BatchNorm's running statistics moved it a little)
+    assert learning["figure"].endswith(" | points at " + tt.POINTS_AT["learning"])  # the run's settings, not the chip
+
+
+def test_a_stock_torchvision_cnn_passes_the_smoke_test_with_one_core_and_in_two_replica_processes(runs):
+    """shufflenet_v2_x0_5 (BatchNorm, max-pooling) through torchvision's transforms: XLA's gradients differ from eager
+    beyond float32's rounding (ties in max-pooling), which the numerics row notes, and the verdict PASSes."""
+    one, (smoke, *_) = runs["stock_one"], runs["stock"]
+    for name, code, out, err in [("one", one.returncode, one.stdout, one.stderr), ("processes", *smoke[:3])]:
+        assert code == 0 and "smoke verdict: PASS" in out, (name, out[-3000:] + err[-3000:])
+        numerics = re.search(r"  PASS  numerics .*", out).group(0)
+        assert "not the chip: likely ties in max-pooling" in numerics or "within float32's own spread" in numerics
+    assert "2 devices, a replica each | global batch 32" in smoke[1] and "1 devices, a replica each" in one.stdout
+
+
+def test_a_batchnorm_model_in_two_replica_processes_resumes_from_its_epochs_end_with_the_test_loss_it_saved(runs):
+    """Every replica evaluates and saves the master's BatchNorm statistics, as DDP's broadcast_buffers: resumed, every
+    replica loads them, and the test loss comes back (each replica's own statistics gave another: exit 4). A stop's
+    checkpoint, mid-epoch, is the same save (the resumes mid-epoch after SIGTERM and kill -9, above, are exact)."""
+    _, (code, out, err, *_) = runs["stock"]
+    assert code == 0, out[-3000:] + err[-3000:]
+    saved, now = map(float, re.search(r"resume check \| test loss saved (\S+), now (\S+) ", out).groups())
+    assert abs(saved - now) <= 1e-5 and "continuing at epoch 3 of 2" in out
+    assert any("running_var" in name for name in final(runs["root"] / "stock" / "procs")["model"])
+
+
+def test_a_resume_keeps_the_optimizers_own_param_groups_but_for_the_flags_given_again(tmp_path, monkeypatch):
+    """An Adam copy, its lr moved by a schedule: resumed, its param groups are as saved, with no stray momentum; --lr
+    given again changes the lr alone."""
+    model = tt.ToyModel()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.99))
+    F.cross_entropy(model(torch.zeros(2, 1, 28, 28)), torch.zeros(2, dtype=torch.long)).backward()
+    adam.step()
+    adam.param_groups[0]["lr"] = 4e-4  # where a schedule left it
+    settings = {name: getattr(tt.parse_args([]), name) for name in tt.SETTINGS}
+    ckpt = dict(model=model.state_dict(), optimizer=adam.state_dict(), epoch=2, samples=0, device="CPU", rng=0)
+    torch.save(ckpt | dict(test_loss=None, history=[], epochs=[], settings=settings), tmp_path / "c.pt")
+    monkeypatch.setattr(tt, "verify", lambda *args: None)
+    monkeypatch.setattr(tt.xm, "set_rng_state", lambda *args: None)
+    groups = {}
+    for name, flags in (("as saved", []), ("--lr", ["--lr", 0.02])):
+        run = fake_run(1, 0, 8)
+        vars(run).update(args=tt.parse_args(["--resume", tmp_path / "c.pt", *flags]), model=tt.ToyModel(), steps=10)
+        vars(run).update(global_batch=8, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None, say=print)
+        run.optimizer = torch.optim.Adam(run.model.parameters(), lr=run.args.lr)
+        assert tt.resume(run) == (2, 0)
+        groups[name] = {k: v for k, v in run.optimizer.param_groups[0].items() if k != "params"}
+    saved = {k: v for k, v in adam.param_groups[0].items() if k != "params"}
+    assert groups["as saved"] == saved and "momentum" not in groups["as saved"]
+    assert groups["--lr"] == saved | {"lr": 0.02}
 
 
 def test_your_model_without_layerdrop_s_hooks_passes_ruff_and_layerdrop_exits_2_in_one_line(runs, capsys):
@@ -2215,7 +2332,7 @@ def test_a_users_exit_handlers_run_after_exit_0_5_and_143_with_one_core_and_afte
     """os._exit ends the launcher (MpDeviceLoader's feeder thread can abort a normal exit), and runs yours first."""
     root = runs["root"]
     codes = {
-        "one": runs["yours_one"].returncode,
+        "one": runs["stock_one"].returncode,
         "lr": runs["yours_lr"].returncode,
         "sigterm": runs["sigterm"][0],
         "conv": runs["straight"][1].returncode,
@@ -2254,7 +2371,7 @@ def test_a_model_built_by_the_other_replica_thread_between_the_seed_and_the_init
 
     def the_other():  # what the replicas check does in the other thread
         tt.first_batch(run)
-        done.append(tt.replica_step(run.args, expected, x, y, torch.device("cpu")))
+        done.append(tt.first_step(run.args, expected, x, y, torch.device("cpu")))
 
     def build_model(args):  # seeded, about to draw: the other thread goes now, and gets a second
         if not other:
@@ -2350,6 +2467,101 @@ def test_a_tpus_default_precision_passes_the_numerics_and_resume_checks_and_an_o
     assert tt.tolerance(on["TPU"], bf16=True) < diffs(wrong)
 
 
+def one_pass_batch_norm(x, mean, var, weight=None, bias=None, training=False, *args, **kwargs):
+    """BatchNorm in training mode as XLA computes it: the variance in one pass, E[x²] - E[x]², in float32."""
+    dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
+    mean = x.mean(dims)
+    var = (x * x).mean(dims) - mean * mean
+    return (x - mean.view(shape)) / (var.view(shape) + 1e-5).sqrt() * weight.view(shape) + bias.view(shape)
+
+
+def emulated_numerics(monkeypatch, kind, model, offset=0.0, fault=None):
+    """check_numerics with XLA emulated on the host: BatchNorm's one-pass variance, and on a TPU its default precision
+    (bfloat16 operands, float32 sums) for the convolutions and linear layers; inputs shifted by `offset`."""
+    real_step, real_linear, real_conv = tt.first_step, F.linear, F.conv2d
+    bf16 = lambda t: t.bfloat16().float()  # noqa: E731
+
+    def first_step(args, state, x, y, device, dtype=torch.float32):
+        if device.type != "meta":  # the host's computations, as they are
+            return real_step(args, state, x, y, device, dtype)
+        with pytest.MonkeyPatch.context() as m:  # the device's
+            m.setattr(F, "batch_norm", one_pass_batch_norm)
+            if kind == "TPU":
+                m.setattr(F, "linear", lambda a, w, b=None: real_linear(bf16(a), bf16(w), b))
+                m.setattr(F, "conv2d", lambda a, w, b=None, *rest: real_conv(bf16(a), bf16(w), b, *rest))
+            program, parts = real_step(args, state, x, y, torch.device("cpu"), dtype)
+        return program, [fault(t) for t in parts] if fault else parts
+
+    monkeypatch.setattr(tt, "first_step", first_step)
+    monkeypatch.setattr(tt, "build_model", lambda args: model())
+    monkeypatch.setattr(tt, "model_input", lambda x: x + offset)
+    run = fake_run(1, 0, 32)
+    vars(run).update(kind=kind, device=torch.device("meta"), test=tt.loader(run, tt.dataset(run.args, False), []))
+    return tt.check_numerics(run)
+
+
+class Normed(torch.nn.Module):  # a convolution, then BatchNorm: the channels' means follow the inputs'
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.fc = (
+            torch.nn.Conv2d(1, 4, 5),
+            torch.nn.BatchNorm2d(4),
+            torch.nn.Linear(4 * 24 * 24, 10),
+        )
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.norm(self.conv(x))), 1))
+
+
+@pytest.mark.parametrize("kind", ["CPU", "TPU"])
+def test_the_numerics_check_passes_xla_s_batchnorm_naming_it_and_fails_a_nan_or_an_o1_error_as_the_runs(
+    kind, monkeypatch
+):
+    """Emulated XLA on the host, for each device kind: healthy PASSes; channels of large mean PASS naming BatchNorm's
+    variance (no FAIL of the machine); larger still, NaN FAILs as the run's; an O(1) error FAILs."""
+    figures = {}
+    for name, offset, fault in [
+        ("healthy", 0.0, None),
+        ("mean 100", 100.0, None),
+        ("mean 1e5", 1e5, None),
+        ("O(1)", 0.0, lambda t: t.flip(0) if t.dim() and len(t) > 1 else t),
+    ]:
+        with monkeypatch.context() as m:
+            figures[name] = emulated_numerics(m, kind, Normed, offset, fault)
+    floor = tt.tolerance(types.SimpleNamespace(kind=kind))
+    assert figures["healthy"] == (True, figures["healthy"][1]) and figures["healthy"][1].endswith(
+        f"within float32's own spread (or {floor:.0e})"
+    ), figures["healthy"]
+    passed, figure = figures["mean 100"]
+    assert passed and "beyond float32's spread, not the chip: likely BatchNorm's one-pass variance" in figure, figure
+    passed, figure = figures["mean 1e5"]
+    assert not passed and "nan" in figure and "(BatchNorm's one-pass variance" in figure, figure
+    passed, figure = figures["O(1)"]
+    assert not passed and "not rounding, another function" in figure, figure
+
+
+def test_the_arithmetic_check_finds_one_bit_off_in_its_known_answer(monkeypatch):
+    run = fake_run(1, 0, 8)
+    vars(run).update(device=torch.device("cpu"))
+    assert tt.check_arithmetic(run) == (
+        True,
+        "a matmul, a convolution and a sum of small integers: 0 of 32896 values off",
+    )
+    real_conv = F.conv2d
+
+    def conv2d(*args, **kwargs):  # the chip's convolution, one value one ulp off (the host's float64 stays exact)
+        out = real_conv(*args, **kwargs)
+        if out.dtype == torch.float32:
+            out.view(-1)[1234] = torch.nextafter(out.view(-1)[1234], torch.tensor(1e9))
+        return out
+
+    monkeypatch.setattr(F, "conv2d", conv2d)
+    assert tt.check_arithmetic(run) == (
+        False,
+        "a matmul, a convolution and a sum of small integers: 1 of 32896 values off",
+    )
+
+
 def test_the_learning_check_asks_any_data_for_a_falling_test_loss_and_the_synthetic_digits_for_90_percent():
     def learning(untrained, losses, accuracy, target=0.0, data_target=None):
         test = types.SimpleNamespace() if data_target is None else types.SimpleNamespace(smoke_target=data_target)
@@ -2391,7 +2603,7 @@ def test_two_replicas_that_differ_are_both_named_and_eager_pytorch_says_which_is
         return table
 
     monkeypatch.setattr(tt, "agree", agree)
-    monkeypatch.setattr(tt, "replica_step", lambda *args: (b"one program.....", torch.ones(5)))
+    monkeypatch.setattr(tt, "first_step", lambda *args: (b"one program.....", [torch.ones(5)]))
     assert tt.check_replicas(run) == (
         False,
         "replica 0 differs in 3/3 steps (every time: its chip); replica 1 differs in 3/3 steps (every time: its chip); "
@@ -2416,13 +2628,13 @@ def test_the_deadline_names_a_replica_process_whose_runtime_never_started(tmp_pa
     ]
 
 
-# ---- a pod slice: two hosts, a launcher each, two replica processes each (on_slice()) --------------------------------
-def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000256.pt",), results=None):
-    """Both hosts exited `code` with `line` last, within 60 s of the fault and seconds of each other (the first end,
-    shared; not the other host's silence), with no process of theirs left; the checkpoints saved before stay."""
+# ---- a pod slice: two hosts, a launcher and a replica process each (on_slice()) -------------------------------------
+def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000128.pt",), results=None):
+    """Both hosts exited `code` with `line` last (the first end, which each host notes in the run folder), within 60 s
+    of the fault (the coordination service ends the other host's), with no process of theirs left; the checkpoints
+    saved before stay."""
     fault = float((runs["root"] / f"{name}.fault").read_text())
     results = results or runs[name.replace("-", "_")]
-    assert abs(results[0][1] - results[1][1]) < 10
     for k, ((got, out, err, left, _), ended) in enumerate(results):
         assert (got, last_line_of(err)) == (code, f"train_tpu.py: {line}"), (k, out[-2000:] + err[-3000:])
         assert not left and ended - fault < 60, (k, left, ended - fault)
@@ -2433,7 +2645,7 @@ def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000256.pt",), re
 def test_a_replica_killed_on_one_host_of_a_slice_under_smoke_ends_every_host_with_one_verdict_naming_it(runs):
     """Replica 3 (host 1's second chip) is killed at its 8th step, as the OOM killer would; the others wait in their
     collectives. Host 1 finds it, and host 0 ends with the same verdict, written once, by host 1."""
-    died = "host 1 (vm): replica 3 (device 1)'s process died (killed by SIGKILL) in training; its checkpoints stay"
+    died = "host 1 (vm): replica 1 (device 0)'s process died (killed by SIGKILL) in training; its checkpoints stay"
     pod_ended(runs, "pod-killed", 5, f"failed: smoke verdict FAIL: training: {died}")
     verdict = json.loads((runs["root"] / "pod-killed" / "verdict.json").read_text())
     assert verdict["checks"] == [
@@ -2444,12 +2656,16 @@ def test_a_replica_killed_on_one_host_of_a_slice_under_smoke_ends_every_host_wit
     assert printed == [0, 1]  # by host 1's launcher only
 
 
-def test_a_host_that_vanishes_from_a_slice_ends_the_others_after_its_silence(runs):
+def test_a_host_that_vanishes_from_a_slice_ends_the_others_within_60_s_through_the_coordination_service(runs):
+    """Host 1's launcher and replica killed at once, as a VM that is gone: the service (in host 0's process 0) misses
+    its heartbeats, and ends host 0's replica process, which waits for it in a collective."""
     (code, out, err, left, _), ended = runs["pod_lost"][0]
     fault = float((runs["root"] / "pod-lost.fault").read_text())
-    assert code == 1 and not left and 8 < ended - fault < 30, (ended - fault, err[-3000:])
-    line = "failed: host 0 (vm): nothing heard from host 1 (vm) for 8 s: its VM or its launcher is gone; its "
-    assert last_line_of(err) == f"train_tpu.py: {line}checkpoints stay"
+    assert code == 1 and not left and ended - fault < 60, (ended - fault, err[-3000:])
+    how = "killed by SIGABRT: the coordination service ended it, as a process elsewhere stopped, or it aborted"
+    line = f"failed: host 0 (vm): replica 0 (device 0)'s process died ({how}) in training; its checkpoints stay"
+    assert last_line_of(err) == f"train_tpu.py: {line}"
+    assert "coordination_service.cc" in err and "unhealthy (stopped sending heartbeats)" in err  # XLA's own words
     assert runs["pod_lost"][1][0][0] == -signal.SIGKILL and not runs["pod_lost"][1][0][3]  # host 1: all killed
     assert [os.path.basename(p) for p in tt.checkpoints(str(runs["root"] / "pod-lost"))] == [
         "checkpoint-0001-000000128.pt"  # step 4: one replica a host, 32 samples a step
@@ -2458,11 +2674,11 @@ def test_a_host_that_vanishes_from_a_slice_ends_the_others_after_its_silence(run
 
 def test_a_runtime_that_will_not_start_on_one_host_of_a_slice_ends_every_host_with_a_verdict(runs):
     """Host 1's chip (one replica a host) is held by another process: its runtime fails in xmp.spawn's own start of
-    the process, before train_tpu.py's function runs, while host 0's replica waits for it."""
+    the process, before train_tpu.py's function runs, while host 0's replica waits for it to join the coordination
+    service, until the smoke deadline (40 s): host 0 names host 1's failure, the first."""
     busy = "TPU initialization failed: The TPU is already in use by process with pid 4242."
     failed = f"host 1 (vm): replica process 0 (its local rank) failed to start: RuntimeError: {busy}"
     fault = float((runs["root"] / "pod-start.fault").read_text())
-    assert abs(runs["pod_start"][0][1] - runs["pod_start"][1][1]) < 10  # the shared end, not a silence
     for k, ((code, _out, err, left, _), ended) in enumerate(runs["pod_start"]):
         assert (code, last_line_of(err)) == (5, f"train_tpu.py: failed: smoke verdict FAIL: setup: {failed}"), k
         assert not left and ended - fault < 60
@@ -2471,9 +2687,10 @@ def test_a_runtime_that_will_not_start_on_one_host_of_a_slice_ends_every_host_wi
 
 
 def test_the_smoke_test_on_a_slice_gives_one_verdict_that_names_the_faulty_chips_host_and_device(runs):
-    """Your copy (its BatchNorm and Dropout, its PNGs). Host 1's second chip (replica 3) gets one gradient element wrong
-    in its last bit or by 1e-3, once, traces another program, or gets one element of an all-reduce wrong; the smoke
-    test's own checks, healthy, PASS. The run started under nohup, and SIGHUP at epoch 1 step 5 changed nothing."""
+    """Your copy (its BatchNorm and Dropout, its PNGs), two replica processes a host: a majority of the four names a
+    faulty chip. Host 1's second chip (replica 3) gets one gradient element wrong in its last bit or by 1e-3, once,
+    traces another program, or gets one element of an all-reduce wrong; the smoke test's own checks, healthy, PASS.
+    The run started under nohup, and SIGHUP at epoch 1 step 5 changed nothing."""
     for k, ((code, _out, err, left, _), _) in enumerate(runs["pod_smoke"]):
         assert code == 5 and not left, (k, err[-3000:])
         assert (
@@ -2481,8 +2698,8 @@ def test_the_smoke_test_on_a_slice_gives_one_verdict_that_names_the_faulty_chips
         )
     verdict = runs["root"] / "yours" / "pod-smoke" / "verdict.json"
     checks = {c["name"]: c for c in json.loads(verdict.read_text())["checks"]}
-    healthy = ["numerics", "checkpoint", "compilation", "learning", "collectives", "replicas"]
-    assert [checks[name]["passed"] for name in ["devices", *healthy]] == [None] + [True] * 6, checks
+    healthy = ["arithmetic", "numerics", "checkpoint", "compilation", "learning", "collectives", "replicas"]
+    assert [checks[name]["passed"] for name in ["devices", *healthy]] == [None] + [True] * 7, checks
     assert checks["collectives"]["figure"].endswith("on 4 replicas: bit for bit their closed form")
     every = "replica 3 (host 1, device 1) differs in 3/3 steps (every time: its chip)"
     assert [checks[n]["figure"] for n in ("last bit", "1e-3")] == [every] * 2
@@ -2498,7 +2715,7 @@ def test_the_smoke_test_on_a_slice_gives_one_verdict_that_names_the_faulty_chips
 def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_writes_late_and_resumes_as_eager(runs):
     """SIGTERM then SIGHUP to every host's group during epoch 2 step 3 (its steps 2.5 s long, as a bigger model's),
     each read by a `tee` that dies with it. Each replica process caught SIGTERM after libtpu started, and lived to save
-    within 3 steps, in the grace; the master wrote 2 s late. --resume on every host trains on exactly, until replica 3
+    within 3 steps, in the grace; the master wrote 2 s late. --resume on every host trains on exactly, until replica 1
     (host 1) raises after the checkpoint of epoch 3 step 4, which ends every host."""
     stopped, saved, step, stop, resumed = runs["pod_stop"]
     line = f"train_tpu.py: stopped by SIGTERM at epoch 2 step {step}, checkpoint saved: continue with --resume pod-stop"
@@ -2506,24 +2723,25 @@ def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_w
     for k, ((code, out, err, left, _), _) in enumerate(stopped):
         assert code == 143 and not left and line in err.splitlines(), (k, err[-3000:])
         assert "TPU_WORKER_HOSTNAMES" in err  # libtpu's own log: its plugin started, as on a TPU VM
-        for rank in (0, 1):  # SIGTERM caught in each replica process after libtpu started: the process lived to save
-            assert f"WORLD replica process {rank}: libtpu started, SIGTERM caught 1, by the handler set before" in out
-    assert f"checkpoint-0002-{step * 64:09d}.pt" in saved and 3 < step <= 3 + 3, saved  # written 2 s after the others
+        # SIGTERM caught in the replica process after libtpu started, then by the coordination service: it lived to save
+        assert "WORLD replica process 0: libtpu started, SIGTERM caught 1, by the handler set before" in out
+        assert "preemption_notifier.cc" in err and "SIGTERM caught" in err
+    assert f"checkpoint-0002-{step * 32:09d}.pt" in saved and 3 <= step <= 3 + 3, saved  # written 2 s after the others
     log = (runs["root"] / "pod-stop" / "log.txt").read_text().split("CPU | ")[1]  # every line: the tee died with it
     assert f"epoch 2 step {step}/6 |" in log and f"epoch 2 step {step + 1}/6 |" not in log
     for k in (0, 1):  # each launcher's last line, in its host's log
         assert (runs["root"] / "pod-stop" / f"log-host-{k}.txt").read_text().splitlines()[0] == line
-    assert "4 devices, a replica each | global batch 64" in stopped[0][0][1]
-    model, optimizer, _ = eager_two_replicas([(1, 6), (2, step)], replicas=4)
+    assert "2 devices, a replica each | global batch 32" in stopped[0][0][1]
+    model, optimizer, _ = eager_two_replicas([(1, 6), (2, step)])
     same_weights(stop, model, optimizer)
-    failed = "host 1 (vm): replica 3: failed: RuntimeError: bad chip (traceback above)"
-    pod_ended(runs, "pod-stop", 1, failed, ["checkpoint-0003-000000000.pt", "checkpoint-0003-000000256.pt"], resumed)
-    model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6), (3, 4)], replicas=4)
+    failed = "host 1 (vm): replica 1: failed: RuntimeError: bad chip (traceback above)"
+    pod_ended(runs, "pod-stop", 1, failed, ["checkpoint-0003-000000000.pt", "checkpoint-0003-000000128.pt"], resumed)
+    model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6), (3, 4)])
     saved = final(runs["root"] / "pod-stop")
     same_weights(saved, model, optimizer)
     assert [(h["epoch"], h["step"]) for h in saved["history"]] == [(e, s) for e in (1, 2, 3) for s in range(1, 7)][:16]
     assert [h["loss"] for h in saved["history"]] == pytest.approx(losses, abs=1e-5)  # each step once, replica 0's
     loss, accuracy = eager_test(model, tt.parse_args([str(a) for a in WORLD_RUN]))
     assert saved["test_loss"] == pytest.approx(loss, abs=1e-5)  # over every replica's share of the test set
-    epoch_2 = eager_test(eager_two_replicas([(1, 6), (2, 6)], replicas=4)[0], tt.parse_args(list(map(str, WORLD_RUN))))
+    epoch_2 = eager_test(eager_two_replicas([(1, 6), (2, 6)])[0], tt.parse_args(list(map(str, WORLD_RUN))))
     assert f"epoch 2 done | test loss {epoch_2[0]:.4f} | accuracy {epoch_2[1]:.2f}% (2,000 samples)" in resumed[0][0][1]

@@ -8,8 +8,8 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
 import os
 import signal
 
-# A preemption signals every process; the launcher tells the replicas to save and stop. So a replica process sets a
-# handler before the slow imports, idle while the launcher lives (over SIG_IGN, libtpu kills: pytorch/xla#8234).
+# A replica process leaves stop signals to its launcher, which passes them on as SIGTERM to XLA's coordination service
+# (Control). Its handler is set before the slow imports: over SIG_IGN, libtpu's kills (pytorch/xla#8234).
 REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
 if REPLICA_PROCESS:
 
@@ -35,6 +35,7 @@ import json
 import math
 import multiprocessing
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -49,7 +50,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
-from torch.utils.tensorboard import SummaryWriter
 
 USER_DEVICE = os.environ.get("PJRT_DEVICE")  # PJRT_DEVICE as the user set it: `import torch_xla` sets it if unset.
 XLA_IMPORT_ERROR = None
@@ -96,13 +96,18 @@ def parse_args(argv=None):
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--save-minutes", type=float, default=10.0, help="also checkpoint after M minutes with none; 0: off")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
+    p.add_argument(
+        "--coordinator-port", type=int, help="XLA's coordination service's; default: 8547 on a slice, else free"
+    )
     if "--smoke" in argv:  # Its presets replace the defaults, so that the flags given still win.
         p.set_defaults(**smoke)
     args = p.parse_args(argv)
     check_flags(p, args)  # Each value in its range, and no --resume with --smoke.
+    given = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args))))  # None but for the flags given
     if args.resume:  # Parse again, with the saved settings as the defaults: the flags given still win.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
+    args.given = {name for name, value in vars(given).items() if value is not None}
     return args
 
 
@@ -110,7 +115,7 @@ def parse_args(argv=None):
 def dataset(args, train):
     """One split: any map-style torch Dataset of (input, label) samples, torchvision's with their transforms too."""
     if args.data == "synthetic":
-        images, labels = synthetic_digits(30_000 if train else 2_000, seed=1235 if train else 1234)
+        images, labels = synthetic_digits(12_000 if train else 2_000, seed=1235 if train else 1234)
         return InMemory(normalized(images), labels, smoke_target=90.0)  # the accuracy (%) --smoke must reach on them
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
@@ -207,6 +212,9 @@ def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device u
 
 def evaluate(run):
     """The test loss and accuracy (%). The sums stay on the device until one all-reduce over the replicas."""
+    # BatchNorm's running statistics drift apart on each replica: each evaluates and saves the master's, as DDP's
+    # broadcast_buffers does. (Averaged, they would change the master's at a stop's save: no exact resume.)
+    broadcast(run, run.model.buffers())
     run.model.eval()
     totals = torch.zeros(3, device=run.device)  # the loss summed, the hits, the samples
     with torch.no_grad():
@@ -240,7 +248,7 @@ def train_epoch(run, batches, epoch, skip):
 def train(run):  # One replica's run: the model, the data, then the epochs.
     args = run.args
     run.model = initial_model(args).to(run.device)  # Its first weights come from --seed alone.
-    broadcast_weights(run)  # A safeguard: every replica takes the master's, should your model's init ignore the seed.
+    broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     data, test = dataset(args, train=True), dataset(args, train=False)
@@ -254,8 +262,7 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
         run.untrained = evaluate(run)  # the learning check's baseline: the initial weights' test loss
         smoke_check(run, check_devices)  # before training: a missing chip is the first FAIL, whatever follows
     first_epoch, skip = resume(run)  # (1, 0) if fresh. A resumed run is checked against its saved test loss.
-    start = (first_epoch - 1) * run.steps + skip  # steps done, over the epochs: the launcher asks checkpoints by them
-    run.control.set_stage(run.rank, "training", start)  # A stop signal now asks for a checkpoint, not ends at once.
+    run.control.set_stage(run.rank, "training")  # A stop signal now asks for a checkpoint, not ends at once.
     try:
         for epoch in range(first_epoch, args.epochs + 1):
             shard.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
@@ -268,8 +275,8 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
-def launch(args, kind, out_dir, pod):  # Runs the replicas (docs: learn/pjrt), and turns what ended them into one Exit.
-    with Control(args, out_dir, pod) as control:  # stop signals, a replica or a host that fails, the smoke deadline
+def launch(args, kind, out_dir, host, hosts):  # Runs the replicas (docs: learn/pjrt); what ended them is one Exit.
+    with Control(args, out_dir, host, hosts) as control:  # stop signals, a replica that fails, the smoke deadline
         try:
             if not args.spmd:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
                 xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
@@ -295,11 +302,12 @@ def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once
 
 
 def main(argv=None):
-    out_dir, pod = None, None  # the run folder, whose log keeps the last line too, and a pod slice's hosts (Slice)
+    out_dir, log = None, "log.txt"  # the run folder, whose log keeps the last line too (a slice: a log per host)
     try:
         args = parse_args(argv)
-        kind, out_dir, pod = prepare(args)
-        launch(args, kind, out_dir, pod)
+        kind, out_dir, host, hosts = prepare(args)
+        log = f"log-host-{host}.txt" if hosts > 1 else log
+        launch(args, kind, out_dir, host, hosts)
         return 0
     except Exit as e:
         code, line = e.code, e.line
@@ -307,7 +315,7 @@ def main(argv=None):
         code, line = 130, "interrupted"
     except Exception as e:
         code, line = 1, report_bug(e)
-    tell(out_dir, f"train_tpu.py: {line}", sys.stderr, pod.log if pod else "log.txt")  # (a slice: a log per host)
+    tell(out_dir, f"train_tpu.py: {line}", sys.stderr, log)
     return code
 
 
@@ -343,6 +351,7 @@ class Run:
     untrained: "TestResult" = None  # --smoke: the initial weights' test loss and accuracy
     warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
     recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
+    save_every: int = None  # steps between the checkpoints of --save-minutes, once the first epoch has been timed
 
     def say(self, line):  # The master prints, and keeps the line in OUT/log.txt.
         if self.master:
@@ -351,13 +360,15 @@ class Run:
 
 # ---- after each step and at the epoch's end: the checkpoints, and a stop --------------------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """After each step: a checkpoint at each --save-steps step, and at the step the launcher asked for one (after
-    --save-minutes, or for a stop signal: it then stops). The epoch's last step is end_epoch()'s."""
+    """After each step: a checkpoint at each --save-steps step, every run.save_every steps (--save-minutes), and at the
+    step that the coordination service names for a stop signal, then a stop. The epoch's last step is end_epoch()'s."""
     if step == run.steps:
         return
-    asked = run.control.asked_at(run.rank, (epoch - 1) * run.steps + step)  # None, or 0 (on time), or the signal
+    done = (epoch - 1) * run.steps + step  # steps over the epochs
+    asked = run.control.stop_asked(done)  # None, or the stop signal's number
     on_steps = run.args.save_steps is not None and step % run.args.save_steps == 0
-    if on_steps or asked is not None:
+    on_time = run.save_every is not None and done % run.save_every == 0
+    if on_steps or on_time or asked:
         run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it logged.
         test = evaluate(run) if on_steps and not asked else None  # A stop evaluates nothing: the grace is short.
         save(run, next_epoch=epoch, steps_done=step, test=test)
@@ -368,7 +379,7 @@ def checkpoint_or_stop(run, epoch, step):
 def end_epoch(run, epoch):
     """After the epoch's last step: it evaluates, logs and saves the epoch. Exits 3 past --max-recompiles (--smoke: a
     check); stops if the launcher asked for a stop at this step, but after the last epoch, which finishes."""
-    asked = run.control.asked_at(run.rank, epoch * run.steps)
+    asked = run.control.stop_asked(epoch * run.steps)
     recompiles = 0
     if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
         recompiles = compiles()[0] - run.warm_compiles
@@ -378,6 +389,9 @@ def end_epoch(run, epoch):
     if run.warm_compiles is None:
         run.warm_compiles = compiles()[0]  # counted after the first evaluation, whose graph is part of the warm-up
     run.epochs.append(run.log.end_epoch(test))
+    if run.save_every is None and run.args.save_minutes:  # On time from the first epoch trained here, as it took.
+        seconds = float(agree(run, [run.log.step_seconds()])[0])  # the slowest replica's: one interval for all
+        run.save_every = max(1, int(60 * run.args.save_minutes / seconds))
     save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     limit = run.args.max_recompiles
     if limit is not None and run.recompiles > limit and not run.args.smoke:
@@ -406,30 +420,28 @@ def agree(run, values):
 # ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
 def prepare(args):
     """Refuses what it can before any device starts, as xmp.spawn cannot start once one has. Returns (kind, folder,
-    the Slice of a pod's hosts or None)."""
+    this host's number, the slice's hosts)."""
     kind, host, hosts, cores = check_environment(args)
     if args.spmd and kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
     out_dir = prepare_out_dir(args, hosts)
-    pod = Slice(out_dir, host, hosts) if hosts > 1 else None  # From now on this host's launcher beats in OUT/.slice.
-    if pod:
-        pod.wait_for_host_0()  # It reads or downloads the data first: no two hosts write one --data-dir at once.
     try:  # Once, before any replica starts: replicas never race to download, and a missing dataset exits 2 here.
         dataset(args, train=True), dataset(args, train=False)
     except Exception as e:
-        ended = Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}")
-        raise (pod.share(ended, "data")[0] if pod else ended) from e  # On a slice, every host exits 2.
+        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
     hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
     if args.layerdrop != "off" and not hooks:
         raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
-    if pod:
-        pod.write(stage="ready")
-    return kind, out_dir, pod
+    return kind, out_dir, host, hosts
 
 
 RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
-    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
+    (
+        ("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps", "coordinator_port"),
+        ">= 1",
+        lambda v: v >= 1,
+    ),
     (("seed", "max_recompiles", "target_accuracy", "workers", "save_minutes"), ">= 0", lambda v: v >= 0),
     (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
     (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
@@ -467,14 +479,20 @@ def check_environment(args):
     kind = os.environ.get("PJRT_DEVICE", "unset")  # the user's, or what torch_xla's import chose
     if kind not in ("TPU", "CPU") or (kind == "TPU" and not chips):
         raise Exit(2, f"error: PJRT_DEVICE={kind}, and this machine has no such device: unset it to use the CPU")
-    have = int(os.environ.get("CPU_NUM_DEVICES", 1))
-    try:  # On a TPU VM both ask its metadata server (the devices per chip come from its accelerator type).
+    have, accelerator = int(os.environ.get("CPU_NUM_DEVICES", 1)), ""
+    try:  # On a TPU VM these ask its metadata server (the devices per chip come from its accelerator type).
         host, hosts = this_host(kind)
         if kind == "TPU":
-            have = tpu.num_available_devices()
+            have, accelerator = tpu.num_available_devices(), tpu.get_tpu_env().get("ACCELERATOR_TYPE", "")
     except Exception as e:
         raise Exit(2, f"error: cannot read this TPU VM's slice from its metadata: {first_line(e)}") from e
     cores = args.cores or have
+    # The number in a v4-8's or a v5p-8's name counts TensorCores, 2 a chip, and torch_xla sees a device a chip.
+    if kind == "TPU" and cores != have and accelerator.endswith(f"-{cores}"):
+        tell(
+            None, f"--cores {cores}: the {cores} TensorCores of this {accelerator}, here {have} devices, a replica each"
+        )
+        cores = have
     if hosts > 1 and (args.spmd or args.cores == 1):
         raise Exit(2, f"error: --spmd and --cores 1 train on one host, and this slice has {hosts}: leave them out")
     if kind == "CPU" and cores > 1 and not args.spmd:  # On the CPU, the replicas of one process are threads.
@@ -524,6 +542,8 @@ def start_replica(args, kind, out_dir, control):
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
     control.devices[run.rank] = xr.local_ordinal()  # (its chip on this host, from v4 on; on v2/v3 a core of one)
+    if not control.in_process:
+        control.coordinate(kind)  # XLA's coordination service: a stop signal to any process stops all at one step
     control.set_stage(run.rank, "setup")  # The launcher now knows this replica's process, and that its runtime started.
     return run
 
@@ -552,6 +572,12 @@ def report_bug(e):
     return f"failed: {type(e).__name__}: {e} (traceback above)"
 
 
+def free_port():  # one that nothing on this machine listens on now. gRPC shares a port silently (SO_REUSEPORT).
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def first_line(e):  # (its type's name if the message is empty)
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
@@ -565,12 +591,12 @@ def initial_model(args):
         return build_model(args)
 
 
-def broadcast_weights(run):
-    """Every replica takes the master's float weights: TPUs all-reduce no int64 (pytorch/xla#1952)."""
-    if run.world == 1:
+def broadcast(run, tensors):
+    """Every replica takes the master's float tensors, in place: TPUs all-reduce no int64 (pytorch/xla#1952)."""
+    floats = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
+    if run.world == 1 or not floats:
         return
-    tensors = itertools.chain(run.model.parameters(), run.model.buffers())
-    xm.collective_broadcast([t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)])
+    xm.collective_broadcast(floats)
     torch_xla.sync()
 
 
@@ -625,16 +651,26 @@ class Log:
     def __init__(self, run):
         self.run = run
         self.unread = []  # (boundary step, its loss on the device), not yet read back
-        self.board = SummaryWriter(run.out_dir) if run.master else None  # TensorBoard's scalars, in the run folder
         mode = "SPMD" if run.mesh is not None else "a replica each"
         sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
         writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
+        if not run.control.in_process:
+            writer += f" | coordination service port {run.control.port}"
         run.say(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
+        self.board = None  # TensorBoard's scalars, in the run folder, if the package is there (it is no requirement)
+        if run.master:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                run.say("tensorboard | not installed: no scalars written (pip install tensorboard)")
+            else:
+                self.board = SummaryWriter(run.out_dir)
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
         self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one.
         self.started = None  # when step timed_from's graph launched
+        self.began, self.skip = time.perf_counter(), skip  # (for step_seconds)
         self.previous = skip  # the last boundary's step
         self.compiles_at_start, self.transfers_at_start = compiles()[0], transfers()
 
@@ -689,6 +725,9 @@ class Log:
             self.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
         return row
 
+    def step_seconds(self):  # the epoch's seconds per step, its compilations too
+        return (self.finished - self.began) / max(1, self.run.steps - self.skip)
+
     def scalar(self, name, value, step):  # TensorBoard's x axis counts steps over every epoch.
         if self.board is not None:
             self.board.add_scalar(name, value, (self.epoch - 1) * self.run.steps + step)
@@ -713,11 +752,10 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 
 
 # ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
-# One dict: the model, the optimizer, the position (the epoch to train next, the samples of it done), the settings, the
-# history, the test loss measured before saving (None on a stop), the device's RNG state (dropout's masks go on); named
-# checkpoint-EEEE-SSSSSSSSS by its position. A replica per device: the master writes NAME.pt (xm.save). SPMD: each
-# device's shards go into NAME/ (DCP, docs: perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD
-# model, can compute something else (pytorch/xla#6660): --resume converts either format and checks the saved test loss.
+# One dict, named checkpoint-EEEE-SSSSSSSSS by its position (the epoch to train next, the samples of it done). A replica
+# per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
+# perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD model, can compute something else
+# (pytorch/xla#6660): --resume converts either format and checks the saved test loss.
 SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop")
 SETTINGS += ("layerdrop_prob", "bf16", "log_steps", "save_steps", "save_minutes")  # what a resume takes, unless given
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
@@ -727,6 +765,7 @@ def save(run, *, next_epoch, steps_done, test=None):
     """Saves the run at its position, with the test loss just measured (None on a stop). Returns the path."""
     # Samples, not steps: a resume with another batch size finds no whole step and refuses, rather than start elsewhere.
     samples = steps_done * run.global_batch
+    broadcast(run, run.model.buffers())  # the master's BatchNorm statistics, saved: every replica goes on with them
     ckpt = {
         "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
@@ -826,8 +865,8 @@ def resume(run):
     except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
         why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
         raise Exit(2, f"error: --resume {path}: {why}") from e
-    for group in run.optimizer.param_groups:
-        group.update(lr=args.lr, momentum=args.momentum)  # this run's settings, whether given again or saved
+    for group in run.optimizer.param_groups:  # as saved (a schedule's lr, Adam's betas), but for the flags given again
+        group.update({name: getattr(args, name) for name in ("lr", "momentum") if name in args.given and name in group})
     done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
@@ -890,25 +929,25 @@ def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's afte
 
 
 STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU VM has about 30.
+HEARTBEAT = 55  # seconds: XLA's coordination service ends every process this long after one stops heartbeating. Its
+# clients beat every 50 s, whatever this says: 45 ended healthy runs here, so 55 keeps a slice's end within 60 s.
 
 
 class Control:
-    """The launcher takes the stop signals, asks the replicas for checkpoints, and watches them: one fails alone or
-    dies, and it ends them all (the others would wait for it). They meet in a folder: `stop` (the signal), `replica-N`
-    ([pid, stage, stages, device]), `failed-N` ([code, line, stage]), `board`; and every host's (on a slice in
-    OUT/.slice): `checks` (--smoke's), `signal-H`, `ask-N`, `bound-N-H`. Each launcher watches its replicas, and on a
-    slice the next host (Slice). A checkpoint is asked at a step with no collective and no wait until then: after each
-    step a replica writes it into `board`, a memory map (0.4 us). Host 0 posts ask-N; each launcher holds its replicas
-    (board[0] = N: each waits at its next step), posts the least step they can all still reach, and writes the largest
-    of every host's into board[1]: the step asked."""
+    """How a stop signal reaches the replicas, and the launcher's watch over them.
+    - A stop signal to the launcher before training, or a second one, ends the run at once. During training a replica
+      in this process stops at its next step; replica processes get SIGTERM, which XLA's coordination service takes,
+      as it takes a preemption's to any process of the slice, and names one step at which every replica saves and stops.
+    - A replica process that dies, or a replica that fails alone: the launcher kills its others; the service ends the
+      other hosts' (SIGABRT), which would wait for them in a collective for ever, within HEARTBEAT seconds.
+    - Replicas tell the launcher their stage in files of this host (`replica-N`, `failed-N`); the launcher writes the
+      signal (`stop`). Each host notes its end in the run folder (`ended-host-K`): every host names the first."""
 
-    def __init__(self, args, out_dir, pod=None):
+    def __init__(self, args, out_dir, host=0, hosts=1):
         self.args = args
         self.out_dir = out_dir  # where a verdict goes when the launcher ends a smoke run
-        self.pod = pod  # on a pod slice, the other hosts (Slice), else None
+        self.host, self.hosts = host, hosts  # this host's worker number, and the slice's hosts
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
-        self.shared = pod.folder if pod else self.folder  # where the master replica keeps its checks for any host
-        self.host, self.hosts = (pod.host, pod.hosts) if pod else (0, 1)
         self.not_ours = {p.pid for p in multiprocessing.active_children()}  # a notebook's own processes, say
         self.in_process = args.spmd or args.cores == 1  # The replica is here: children are DataLoader workers.
         self.progress = collections.Counter()  # {rank: stages so far} of this process's replicas
@@ -916,58 +955,76 @@ class Control:
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
         self.ended = None  # the Exit of a run that the launcher ended
         self.signalled = (None, 0.0)  # the first stop signal, and when it came
+        self.stop = 0  # the stop signal's number, for a replica in this process
         self.grace_ends = math.inf  # when a stop signal's grace is over
         self.lock = threading.Lock()
         self.verdict = None  # the Exit of a smoke verdict the launcher wrote
-        self.board = np.memmap(os.path.join(self.folder, "board"), np.int64, "w+", shape=2 + 1024)  # (below)
-        self.asked = {}  # {rank: (N, signal, step)} of the checkpoint last asked, as a replica of this process knows it
-        self.stop_asked, self.saved_at = False, None  # host 0: whether a stop was asked; when training or a save began
+        self.joined, self.highest, self.stop_step = False, 0, None  # a replica process's: the service, its steps
+        self.launched, self.closed = time.time(), False
+        self.port = args.coordinator_port or (8547 if hosts > 1 else free_port())  # torch_xla's default on a slice
         self.woken = threading.Event()  # set by a signal: the watch answers at once
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
-        keep = ("args", "out_dir", "folder", "shared", "host", "hosts", "in_process")
-        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, asked={})
+        keep = ("args", "out_dir", "folder", "host", "hosts", "in_process", "joined", "highest", "stop_step", "port")
+        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, stop=0)
 
-    @functools.cached_property
-    def board(self):  # a replica process's view of the launcher's memory map: [N held, the step asked, each's step]
-        return np.memmap(os.path.join(self.folder, "board"), np.int64, "r+", shape=2 + 1024)
+    def __setstate__(self, state):
+        self.__dict__.update(state, lock=threading.Lock())  # one per replica process: its replica threads share it
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
 
-    def read(self, prefix, folder=None):  # {name: value} of the files whose names start with `prefix`, the oldest first
-        folder = folder or self.folder
-        names = [n for n in os.listdir(folder) if n.startswith(prefix) and not n.endswith(".tmp")]
-        paths = sorted((os.path.join(folder, n) for n in names), key=os.path.getmtime)
+    def read(self, prefix):  # {name: value} of the files whose names start with `prefix`, the oldest first
+        names = [n for n in os.listdir(self.folder) if n.startswith(prefix) and not n.endswith(".tmp")]
+        paths = sorted((os.path.join(self.folder, n) for n in names), key=os.path.getmtime)
         return {os.path.basename(p): read_json(p) for p in paths}
 
-    def replicas(self):  # {rank: [process id, stage, stages so far]} of the replicas whose runtime started, by rank
+    def replicas(self):  # {rank: [process id, stage, stages so far, device]} of the replicas whose runtime started
         ranks = {int(name.removeprefix("replica-")): value for name, value in self.read("replica-").items()}
         return dict(sorted(ranks.items()))
 
     # The replicas' side.
-    def stop_signal(self):  # the number of the signal the launcher took, or 0
-        return self.read("stop").get("stop", 0)
+    def coordinate(self, kind):
+        """Joins XLA's coordination service, as torch_xla's CheckpointManager does (its source: experimental/
+        distributed_checkpoint/manager.py), once per process. Its PreemptionSyncManager takes SIGTERM over libtpu's
+        handler and the one set at import, and makes every process stop at one step (`stop_asked`)."""
+        with self.lock:
+            if self.joined:
+                return
+            os.environ.setdefault("DIST_SERVICE_HEARTBEAT_INTERVAL_IN_SEC", str(HEARTBEAT))
+            master = tpu.get_worker_ips()[0] if kind == "TPU" else "localhost"  # the host of process 0 (worker 0)
+            index, count = xr.process_index(), xr.process_count()
+            torch_xla._XLAC._ensure_xla_coordinator_initialized(index, count, master, str(self.port))
+            torch_xla._XLAC._activate_preemption_sync_manager()
+            self.joined = True
+            threading.Thread(target=end_if_orphaned, name="train_tpu orphaned", daemon=True).start()
+            # The service never shuts down, and to it an exit looks like a death; when its host, process 0, ends first,
+            # the others abort. So process 0 ends last, and the others at once, skipping the runtime's slow teardown.
+            if index == 0 and count > 1:
+                atexit.register(time.sleep, 3)
+            elif index > 0:
+                atexit.register(os._exit, 0)
 
-    def set_stage(self, rank, stage, step=None):  # The launcher learns its process, device, how far it got (and step).
-        if step is not None:
-            self.board[2 + self.devices[rank]] = step
+    def stop_asked(self, step):
+        """After each step (counted over the epochs): the stop signal's number at the step to stop at, else None. In
+        a replica process, the service names that step; its two replica threads (v2/v3) tell it only the higher step."""
+        if self.in_process:
+            return self.stop or None
+        with self.lock:
+            if step > self.highest:
+                self.highest = step
+                if torch_xla._XLAC._sync_point_reached(step):  # 0.2 us, no wait, until a SIGTERM came to any process
+                    self.stop_step = step
+        if self.stop_step is None or step < self.stop_step:
+            return None
+        return self.stop_signal() or signal.SIGTERM
+
+    def stop_signal(self):  # the number of the signal the launcher took, or 0
+        return self.stop or self.read("stop").get("stop", 0)
+
+    def set_stage(self, rank, stage):  # The launcher learns its process, device and how far it got.
         self.progress[rank] += 1
         self.write(f"replica-{rank}", [os.getpid(), stage, self.progress[rank], self.devices.get(rank)])
-
-    def asked_at(self, rank, step):
-        """After each step (counted over the epochs): at the step the launcher asked a checkpoint for, 0 (on time) or
-        the stop signal's number; else None. At its first step after a hold, a replica launches its step and waits."""
-        board = self.board
-        board[2 + self.devices[rank]] = step
-        if board[0] != self.asked.get(rank, (0,))[0]:
-            torch_xla.sync()  # Its step runs, and the replicas that wait for it in a collective reach their next step.
-            while board[1] >> 40 != board[0]:
-                time.sleep(0.01)
-            word = int(board[1])  # N << 40 | signal << 32 | step: one write, read whole
-            self.asked[rank] = (word >> 40, word >> 32 & 0xFF, word & 0xFFFFFFFF)
-        _, signum, at = self.asked.get(rank, (0, 0, -1))
-        return signum if step == at else None
 
     def fail_alone(self, rank, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
         ended = e if isinstance(e, Exit) else Exit(1, f"replica {rank}: {report_bug(e)}")
@@ -977,6 +1034,8 @@ class Control:
     def __enter__(self):
         os.environ["TRAIN_TPU_LAUNCHER"] = str(os.getpid())  # how a replica process knows its launcher at import
         os.environ["TRAIN_TPU_CONTROL"] = self.folder  # and where to report an error before _mp_fn runs
+        with contextlib.suppress(FileNotFoundError):  # this host's end of an earlier launch
+            os.remove(os.path.join(self.out_dir, f"ended-host-{self.host}"))
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
             self.handlers = {s: signal.signal(s, self.on_signal) for s in stop_signals()}
@@ -985,22 +1044,20 @@ class Control:
         return self
 
     def __exit__(self, kind, e, traceback):
-        agreed = e is None or isinstance(e, Exit) and self.ended is None  # done, or an Exit every replica raised
-        if self.pod and agreed:
-            self.pod.write(stage="exited")  # The next host need not watch this one any more.
+        self.closed = True  # The watch ends: its folder goes.
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
         for name in ("TRAIN_TPU_LAUNCHER", "TRAIN_TPU_CONTROL"):  # A process this one starts later is no replica.
             os.environ.pop(name, None)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop within a few steps.
+    def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at one step.
         name = signal.Signals(signum).name
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
+                self.stop = signum
                 self.write("stop", signum)
-                self.post(f"signal-{self.host}", signum)
                 if self.grace_ends < math.inf:  # (and its line, should the grace end first)
                     self.grace_over = Exit(128 + signum, self.grace_over.line.replace("SIGHUP", "SIGTERM"))
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
@@ -1011,8 +1068,10 @@ class Control:
         elif stages <= {"setup", "devices"}:  # Every replica is before training, or none has started: nothing to save.
             self.end(self.conclude(Exit(128 + signum, f"stopped by {name} before training began: nothing to save")))
         else:
+            self.stop = signum
             self.write("stop", signum)
-            self.post(f"signal-{self.host}", signum)  # Host 0 asks every replica to checkpoint at a step, then stop.
+            for child in self.children():  # Their coordination service takes it: one step, on every host.
+                os.kill(child.pid, signal.SIGTERM)
             why = f"a step (or its compilation) takes longer than the {STOP_GRACE} s grace: nothing saved"
             self.grace_over = Exit(128 + signum, f"stopped by {name}: {why}")
             self.grace_ends = time.monotonic() + STOP_GRACE
@@ -1022,75 +1081,32 @@ class Control:
         """Every half second: ends the run if a replica process died (xmp.spawn's pool can miss one in Python 3.11) or
         a replica failed alone, if a stop's grace is over while one trains, or at --smoke-timeout, verdict or not."""
         try:
-            while self.ended is None and os.path.isdir(self.folder):
+            while self.ended is None and not self.closed:
                 replicas = self.replicas()
                 stages = [stage for _, stage, *_ in replicas.values()]
                 if found := self.why_replicas_ended():
                     self.end(self.conclude(*found))
-                elif self.pod and (news := self.pod.news()):  # another host's end, or the next host's silence
-                    self.end(self.conclude(*news))
                 elif time.monotonic() > self.grace_ends and "training" in stages:
                     self.end(self.conclude(self.grace_over))
                 elif time.monotonic() > self.deadline:
                     self.end(self.deadline_passed(replicas))
-                else:
-                    self.serve(replicas)
                 self.woken.wait(0.5)
                 self.woken.clear()
         except Exception as e:  # A bug here must not leave the run unwatched. (The folder goes when the run ends.)
-            if os.path.isdir(self.folder):
+            if not self.closed:
                 self.end(self.conclude(Exit(1, f"run control {report_bug(e)}")))
-
-    def serve(self, replicas):
-        """The launcher's part in a checkpoint asked at a step. Host 0 asks, for a stop signal on any host or after
-        --save-minutes without a checkpoint, once the last step asked is past. Every host holds its replicas, and
-        posts the least step they can all still reach; once every host's is in, the largest is the step asked."""
-        board, n = self.board, int(self.board[0])
-        if n and board[1] >> 40 != n:  # held: the step, once every host's is in
-            bounds = [self.posted(f"bound-{n}-{host}") for host in range(self.hosts)]
-            if None not in bounds:
-                board[1] = n << 40 | self.posted(f"ask-{n}") << 32 | max(bounds)
-            return
-        training = [device for _, stage, _, device in replicas.values() if stage == "training"]
-        if not training or any(board[2 + device] < board[1] & 0xFFFFFFFF for device in training):
-            return  # The replicas have yet to reach the step last asked.
-        if self.host == 0 and (signum := self.wanted()) is not None:
-            self.post(f"ask-{n + 1}", signum)
-        if self.posted(f"ask-{n + 1}") is not None:
-            board[0] = n + 1  # From now on each replica waits at its next step, until board[1] says the step asked.
-            # A replica whose step reads k checks at k + 1 at the latest, and sees the hold (+ 1 more, should its write
-            # of k + 1 and its read of the hold cross this launcher's in memory).
-            self.post(f"bound-{n + 1}-{self.host}", max(int(board[2 + device]) for device in training) + 2)
-            self.serve(replicas)
-
-    def wanted(self):  # host 0: the signal of a stop that any host took, 0 for a checkpoint on time, or None
-        signals = self.read("signal-", self.shared).values()
-        if signals and not self.stop_asked:
-            self.stop_asked = True
-            return max(signals)
-        newest = [os.path.getmtime(path) for path in checkpoints(self.out_dir)[-1:]]  # (never deleted: the newest)
-        self.saved_at = max([self.saved_at or time.time(), *newest])  # (training's start, the first time)
-        if self.args.save_minutes and time.time() - self.saved_at >= 60 * self.args.save_minutes:
-            self.saved_at = time.time()
-            return 0
-        return None
-
-    def post(self, name, value):  # for every host's launcher: on a slice in OUT/.slice
-        write_json(os.path.join(self.shared, name), value)
-
-    def posted(self, name):
-        with contextlib.suppress(FileNotFoundError):
-            return read_json(os.path.join(self.shared, name))
-        return None
 
     def why_replicas_ended(self):  # (an Exit, its stage) of a process ended before its replicas, or of a failure
         replicas = self.replicas()
         self.seen.update((p.pid, p) for p in self.children())
-        for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
+        # (A copy: the watch thread and exit_for() may both be here. SIGABRT last: the service's, after another death.)
+        for p in sorted(self.seen.values(), key=lambda p: p.exitcode == -signal.SIGABRT):
             stages = {rank: stage for rank, (pid, stage, *_) in replicas.items() if pid == p.pid}
             if p.exitcode is None or (stages and set(stages.values()) == {"ended"}):
                 continue  # alive, or ended after its replicas
             how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            if p.exitcode == -signal.SIGABRT:  # XLA's coordination service ends a process so, when another stopped
+                how += ": the coordination service ended it, as a process elsewhere stopped, or it aborted"
             ranks = " and ".join(f"{rank} (device {replicas[rank][3]})" for rank in stages)
             who = f"replica {ranks}'s process" if stages else f"replica process {p.pid}"
             stage = next(iter(stages.values()), "setup")
@@ -1129,29 +1145,38 @@ class Control:
         return self.conclude(Exit(5, f"replica {stuck} did not finish {stage} {timeout}"), stage)
 
     def conclude(self, ended, stage=None):
-        """The run's end, from what this launcher found. On a slice every host learns it, and the first host's end is
-        the run's. With --smoke and a stage, a verdict: the checks done, then a FAIL row (written by the first host)."""
+        """The run's end, from what this launcher found. On a slice the first host's end is the run's, as the hosts
+        note theirs in the run folder. With --smoke and a stage, a verdict: the checks done, then a FAIL row."""
         first = True
-        if self.pod:
-            ended, stage, first = self.pod.share(ended, stage)
+        if self.hosts > 1:
+            ended, stage, first = self.first_end(ended, stage)
         if not (self.args.smoke and stage):
             return ended
         with self.lock:  # The watch and exit_for() may both be here: one verdict.
             if self.verdict is None:
                 figure = ended.line.removeprefix("failed: ").removeprefix("error: ")
+                checks = []  # the master's checks so far, and this row
                 if first:
-                    checks = [*self.saved_checks(), dict(name=stage, passed=False, figure=figure)]
-                    publish(self.out_dir, checks)
+                    with contextlib.suppress(FileNotFoundError):
+                        checks = read_json(os.path.join(self.out_dir, "checks.json"))
+                    publish(self.out_dir, [*checks, dict(name=stage, passed=False, figure=figure)])
                 self.verdict = Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
             return self.verdict
 
-    def save_checks(self, checks):  # the master's checks so far, for a verdict that a launcher writes
-        write_json(os.path.join(self.shared, "checks"), checks)
-
-    def saved_checks(self):
-        with contextlib.suppress(FileNotFoundError):
-            return read_json(os.path.join(self.shared, "checks"))
-        return []
+    def first_end(self, ended, stage):
+        """This host's end, named, in OUT/ended-host-K; then the first of this launch's: (Exit, stage, whether ours)."""
+        prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
+        line = f"{prefix}host {self.host} ({os.uname().nodename}): {ended.line.removeprefix(prefix)}"
+        write_json(os.path.join(self.out_dir, f"ended-host-{self.host}"), dict(code=ended.code, line=line, stage=stage))
+        time.sleep(1)  # Another host may end at the same moment: the earlier end is the run's, on every host.
+        ends = []
+        for name in os.listdir(self.out_dir):
+            path = os.path.join(self.out_dir, name)
+            with contextlib.suppress(OSError, ValueError):
+                if name.startswith("ended-host-") and os.path.getmtime(path) >= self.launched - 1:
+                    ends.append((os.path.getmtime(path), name != f"ended-host-{self.host}", read_json(path)))
+        _, theirs, end = min(ends, key=lambda e: e[:2])
+        return Exit(end["code"], end["line"]), end["stage"], not theirs
 
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or e (an Exit agreed, a bug in the only replica)
         if self.ended is None and (found := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
@@ -1165,93 +1190,10 @@ class Control:
         return self.ended or e
 
 
-BEAT = 2  # seconds between a launcher's heartbeats on a slice
-HOST_SILENCE = 30  # seconds of no heartbeat after which a host is lost. Its launcher beats whatever its replicas do (a
-# long first compile or a big checkpoint's write is theirs), so only a gone VM or launcher falls silent; the shared
-# --out-dir must show one host's writes to the others well within it.
-
-
-class Slice:
-    """A pod slice's launchers, one a host, meet in OUT/.slice, which every host reads and writes. Each beats every
-    BEAT s in host-K ({name, launched, beats, stage}), and watches the next host's (the last host watches host 0). The
-    first host to end the run writes why in ends/K, named by host; every other host then ends with that end. A file
-    from a launch more than a minute apart from this one is an earlier run's."""
-
-    def __init__(self, out_dir, host, hosts):
-        self.folder, self.host, self.hosts = os.path.join(out_dir, ".slice"), host, hosts
-        self.log = f"log-host-{host}.txt"  # this launcher's own lines: log.txt is the master replica's
-        self.mine = dict(name=os.uname().nodename, launched=time.time(), beats=0, stage="data")
-        self.heard = {}  # {host: (its beats, when this launcher saw them change)}
-        os.makedirs(os.path.join(self.folder, "ends"), exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):  # this host's end of an earlier launch
-            os.remove(os.path.join(self.folder, "ends", str(host)))
-        if host == 0:  # No replica has started yet on any host: what an earlier launch's replicas left goes.
-            for name in os.listdir(self.folder):
-                if name == "checks" or name.startswith(("signal-", "ask-", "bound-")):
-                    os.remove(os.path.join(self.folder, name))
-        threading.Thread(target=self.beat, name="train_tpu slice", daemon=True).start()
-
-    def beat(self):
-        while self.mine["stage"] != "exited":
-            self.write()
-            time.sleep(BEAT)
-
-    def write(self, **changes):  # this host's heartbeat
-        self.mine.update(changes, beats=self.mine["beats"] + 1)
-        write_json(os.path.join(self.folder, f"host-{self.host}"), self.mine)
-
-    def this_launch(self, path):  # the JSON at OUT/.slice/PATH if this launch wrote it, else None
-        with contextlib.suppress(OSError, ValueError):
-            found = read_json(os.path.join(self.folder, path))
-            if abs(found["launched"] - self.mine["launched"]) < 60:
-                return found
-        return None
-
-    def first_end(self):  # (Exit, stage, host) of the first end that a host of this launch wrote, or None
-        ends = []
-        for name in os.listdir(os.path.join(self.folder, "ends")):  # a file a host, named by its number
-            if end := self.this_launch(os.path.join("ends", name)):
-                ends.append((end["at"], int(name), end))
-        if not ends:
-            return None
-        _, host, end = min(ends)  # the earliest; at the same moment, the lower host's
-        return Exit(end["code"], end["line"]), end["stage"], host
-
-    def share(self, ended, stage):
-        """This host's end for every host, unless one came before it: (Exit, stage, whether it is this host's)."""
-        if self.first_end() is None:
-            prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
-            line = f"{prefix}host {self.host} ({self.mine['name']}): {ended.line.removeprefix(prefix)}"
-            end = dict(code=ended.code, line=line, stage=stage, at=time.time(), launched=self.mine["launched"])
-            write_json(os.path.join(self.folder, "ends", str(self.host)), end)
-            # Another host may have ended at the same moment: the earlier end is the run's, on every host.
-            time.sleep(1)
-        ended, stage, host = self.first_end()
-        return ended, stage, host == self.host
-
-    def news(self):  # (Exit, stage) of another host's end or of the next host's silence, else None
-        first = self.first_end()
-        if first is not None and first[2] != self.host:
-            return first[:2]
-        return self.silence((self.host + 1) % self.hosts)
-
-    def silence(self, host):  # (Exit, "slice") once nothing was heard from `host` for HOST_SILENCE s, else None
-        beat = self.this_launch(f"host-{host}") or dict(name="never heard from", beats=None, stage=None)
-        if beat["stage"] == "exited":
-            return None  # It ended with the others, or is about to.
-        last = self.heard.get(host)
-        if last is None or last[0] != beat["beats"]:  # the first look, or a new beat: heard now
-            self.heard[host] = (beat["beats"], time.monotonic())
-        if time.monotonic() - self.heard[host][1] < HOST_SILENCE:
-            return None
-        why = f"nothing heard from host {host} ({beat['name']}) for {HOST_SILENCE} s: its VM or its launcher is gone"
-        return Exit(1, f"failed: {why}; its checkpoints stay"), "slice"
-
-    def wait_for_host_0(self):  # Until host 0 has its data, or the run ends (host 0's end, or its silence).
-        while self.host != 0 and (self.this_launch("host-0") or {}).get("stage", "data") == "data":
-            if (news := self.first_end() or self.silence(0)) is not None:
-                raise self.share(*news[:2])[0]
-            time.sleep(0.5)
+def end_if_orphaned():  # in a replica process once the service takes SIGTERM: it ends with its launcher, chips freed
+    while str(os.getppid()) == os.environ["TRAIN_TPU_LAUNCHER"]:
+        time.sleep(1)
+    os._exit(1)
 
 
 def run_replica_process(local_rank, *args, **kwargs):
@@ -1300,6 +1242,8 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
         if where and len(where) < run.world:  # A check that failed on every replica names the replica itself, if any.
             check["passed"] = False
             check["figure"] += f" | FAILED on replica(s) [{', '.join(place(run, r) for r in where)}]"
+        if check["passed"] is False and check["name"] in POINTS_AT:
+            check["figure"] += f" | points at {POINTS_AT[check['name']]}"
     run.control.set_stage(run.rank, "done")  # The verdict is agreed: the launcher's is no longer needed.
     if run.master:
         publish(run.out_dir, run.checks)
@@ -1314,7 +1258,7 @@ def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (Non
     passed, figure = check(run)
     run.checks.append(dict(name=name, passed=passed, figure=figure))
     if run.master:
-        run.control.save_checks(run.checks)
+        write_json(os.path.join(run.out_dir, "checks.json"), run.checks)  # for a verdict that a launcher writes
 
 
 def check_devices(run):
@@ -1336,27 +1280,75 @@ def check_devices(run):
     return found == expected, f"{found} TPU devices found, {expected} in the slice: {per_host} x {per_slice}"
 
 
+def check_arithmetic(run):
+    """A known answer: a matmul, a convolution and a sum of small integers (-8 to 8), exact in bfloat16 and in float32
+    sums of any order, so that any bit off is the chip's own."""
+    a = (torch.arange(128 * 128) * 7 % 17 - 8).float().reshape(128, 128)
+    image, kernel = a.reshape(2, 8, 32, 32), a.flatten()[:576].reshape(8, 8, 3, 3)  # sums below 2**24
+    programs = (lambda a, i, k: a @ a.T, lambda a, i, k: F.conv2d(i, k, padding=1), lambda a, i, k: a.sum(0))
+    got = [f(a.to(run.device), image.to(run.device), kernel.to(run.device)) for f in programs]
+    got = torch.cat([t.flatten() for t in got]).cpu()
+    exact = torch.cat([f(a.double(), image.double(), kernel.double()).flatten() for f in programs]).float()
+    wrong = int((got.view(torch.int32) != exact.view(torch.int32)).sum())
+    return wrong == 0, f"a matmul, a convolution and a sum of small integers: {wrong} of {len(exact)} values off"
+
+
 def check_numerics(run):
-    """A first step from the initial weights on the first samples, on the device and in eager PyTorch on the host: the
-    logits, the loss and the weight update (-lr x gradient), each compared by norm."""
+    """One step (forward and backward, no update) from the initial weights on the first test samples, on the device,
+    against float64 on the host. Two valid float32 computations differ too: eager float32, on the inputs as they are
+    and nudged by a rounding error, is the yardstick. Beyond it, the likely cause is noted: XLA lowers some ops
+    otherwise than eager PyTorch. An O(1) difference or a NaN FAILs: this run computes another function here."""
     args = run.args
     x, y = first_batch(run)
-    state = initial_model(args).state_dict()  # the same weights on both, whatever your initialisation does
-    results = []
-    for device in (run.device, torch.device("cpu")):
-        model = initial_model(args).to(device)
-        model.load_state_dict(state)
-        one_function(model)
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
-            logits = model(model_input(x.to(device)))
-            loss = F.cross_entropy(logits, y.long().to(device))
-        loss.backward()
-        update = torch.cat([-args.lr * p.grad.flatten() for p in model.parameters()])
-        results.append([t.detach().float().cpu() for t in (logits, loss, update)])
-    diffs = [float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True)]  # the device's, the CPU's
-    tol = tolerance(run, other_device="CPU", bf16=args.bf16)
-    figure = f"logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, update {diffs[2]:.1e} (tolerance {tol:.0e})"
-    return max(diffs) <= tol, f"first step, device vs eager CPU, relative by norm: {figure}"
+    state = initial_model(args).state_dict()  # the same weights everywhere, whatever your initialisation does
+    device = first_step(args, state, x, y, run.device)[1]  # (first: a backward on the host first upsets autograd's)
+    exact = first_step(args, state, x, y, torch.device("cpu"), torch.float64)[1]
+    inputs = [x] + [nudged(x, seed) for seed in range(3) if x.is_floating_point()]
+    eager = [first_step(args, state, batch, y, torch.device("cpu"))[1] for batch in inputs]
+    diffs = [distance(a, b) for a, b in zip(device, exact, strict=True)]
+    spread = [max(distance(e[i], exact[i]) for e in eager) for i in range(3)]
+    floor = tolerance(run, bf16=args.bf16)
+    pairs = zip(("logits", "loss", "gradients"), diffs, spread, strict=True)
+    figure = "first step vs float64 on the host, relative by norm, device (eager float32): "
+    figure += ", ".join(f"{name} {d:.1e} ({e:.0e})" for name, d, e in pairs)
+    if not max(diffs) <= WRONG:  # (written so that a NaN fails too)
+        return False, f"{figure}: not rounding, another function ({likely_cause(args, state, x)}?)"
+    if all(d <= max(floor, 10 * e) for d, e in zip(diffs, spread, strict=True)):
+        return True, f"{figure}: within float32's own spread (or {floor:.0e})"
+    return True, f"{figure}: beyond float32's spread, not the chip: likely {likely_cause(args, state, x)}"
+
+
+def nudged(x, seed):  # x with each value moved by about a float32 rounding error
+    return x * (1 + 2**-24 * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def distance(a, b):  # relative, by norm
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def likely_cause(args, state, x):
+    """What makes XLA's result differ from eager PyTorch's, where known: a BatchNorm channel whose mean is large against
+    its spread (XLA computes the variance in one pass, E[x²] - E[x]², which cancels: tensorflow/tensorflow#118701), or
+    ties in max-pooling (flat regions: the gradient goes to another of equal inputs)."""
+    model = initial_model(args).double()
+    model.load_state_dict(state)
+    one_function(model)
+    ratios = [0.0]
+
+    def measure(module, inputs):  # each channel's |mean| / std over the batch and the pixels
+        t = inputs[0].transpose(0, 1).flatten(1)
+        ratios.append(float((t.mean(1).abs() / t.std(1)).max()))
+
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.register_forward_pre_hook(measure)
+    with torch.no_grad():
+        model(model_input(x).double())
+    if max(ratios) >= 10:
+        return f"BatchNorm's one-pass variance (a channel's mean is {max(ratios):.0f} x its spread)"
+    if any(isinstance(m, nn.modules.pooling._MaxPoolNd) for m in model.modules()):
+        return "ties in max-pooling (equal inputs, another takes the gradient)"
+    return "an op that XLA lowers otherwise than eager PyTorch"
 
 
 def check_checkpoint(run):
@@ -1436,10 +1428,11 @@ def check_replicas(run):
         return None, "one replica (under SPMD, one program over every device): no other to compare with"
     state = initial_model(run.args).state_dict()
     x, y = first_batch(run)
-    _, eager = replica_step(run.args, state, x, y, torch.device("cpu"))
+    eager = torch.cat(first_step(run.args, state, x, y, torch.device("cpu"))[1])
     table = torch.zeros(run.world, 3, 9)  # per replica and run: program hash, results' hash (16-bit words), distance
     for k in range(3):
-        program, values = replica_step(run.args, state, x, y, run.device)
+        program, parts = first_step(run.args, state, x, y, run.device)
+        values = torch.cat(parts)
         digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=8).digest()
         distance = float((values - eager).norm() / eager.norm())  # from eager PyTorch on the host
         table[run.rank, k] = torch.tensor([*np.frombuffer(program[:8] + digest, np.uint16).tolist(), distance])
@@ -1451,7 +1444,7 @@ def check_replicas(run):
         return False, f"replica(s) [{odd}] traced other programs than the rest: {why}"
     differs = collections.Counter(r for k in range(3) for r in odd_ones([tuple(t[k, 4:8].tolist()) for t in table]))
     if not differs:
-        return True, f"loss and {len(eager) - 1} gradient values bit-identical on {run.world} replicas, 3 times"
+        return True, f"logits, loss and gradients ({len(eager)} values) bit-identical on {run.world} replicas, 3 times"
     how = {3: "every time: its chip"}
     rows = [
         f"replica {place(run, r)} differs in {n}/3 steps ({how.get(n, 'not every time: transient')})"
@@ -1465,16 +1458,22 @@ def check_replicas(run):
     return False, "; ".join(rows)
 
 
-def replica_step(args, state, x, y, device):
-    """The loss and gradients of one step from `state` (no update), on the host, and the traced program's hash."""
-    model = initial_model(args).to(device)
+def first_step(args, state, x, y, device, dtype=torch.float32):
+    """One step from `state` (forward and backward, no update) on the host or the device: the traced program's hash, and
+    [the logits, the loss, the gradients] read back to the host."""
+    model = initial_model(args).to(device, dtype)
     model.load_state_dict(state)
     one_function(model)
-    loss = F.cross_entropy(model(model_input(x.to(device))), y.long().to(device))
+    x = model_input(x.to(device))
+    with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):  # (float64 never autocasts)
+        logits = model(x.to(dtype) if x.is_floating_point() else x)
+        loss = F.cross_entropy(logits, y.long().to(device))
     loss.backward()
-    tensors = [loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    tensors = [logits.detach().to(dtype), loss.detach().to(dtype), grads]
     program = torch_xla._XLAC._get_graph_hash(tensors) if device.type == "xla" else b""  # before it runs
-    return program, torch.cat([t.flatten().float() for t in tensors]).cpu()
+    values = torch.cat([t.flatten() for t in tensors]).cpu()  # one read
+    return program, list(values.split([tensors[0].numel(), 1, len(grads)]))
 
 
 def one_function(model):
@@ -1502,7 +1501,26 @@ def odd_ones(values):  # the replicas whose value differs from the majority's; a
 
 LEARNED = 0.01  # the least fall of the test loss, as a fraction of the untrained's, that counts as learning
 SIZES = (1, 4096, 1 << 14)  # floats per replica in each collective that check_collectives makes
-CHECKS = (check_numerics, check_checkpoint, check_compilation, check_learning, check_collectives, check_replicas)
+WRONG = 0.3  # a difference from float64 of this order, relative by norm, is no rounding: another function
+POINTS_AT = dict(  # what a FAIL of each check says about, and the first thing to try (README.md: a FAIL)
+    devices="the VM: a chip missing from the slice",
+    arithmetic="the chip: it computes a known answer wrong",
+    numerics="the run: your model computes another function under XLA than in eager PyTorch",
+    checkpoint="the VM's disk, or the run folder's storage",
+    compilation="the run: its graph changes from step to step (see --max-recompiles)",
+    learning="the run's settings (--lr, the optimizer, the steps), unless every other check FAILs too",
+    collectives="the chips or their links: an all-reduce summed wrong",
+    replicas="the chip of the replica named, or a model that traces other programs on some replica",
+)
+CHECKS = (
+    check_arithmetic,
+    check_numerics,
+    check_checkpoint,
+    check_compilation,
+    check_learning,
+    check_collectives,
+    check_replicas,
+)
 
 
 def publish(out_dir, checks):
@@ -1554,9 +1572,9 @@ def synthetic_digits(n, seed):
     labels = torch.randint(0, 10, (n,), generator=g)
     images = torch.rand(n, 28, 28, generator=g) * 0.3
     shifts = torch.randint(0, 9, (n, 2), generator=g)
-    for down, right in itertools.product(range(9), range(9)):  # The samples that share a shift get their glyph at once.
-        at = (shifts[:, 0] == down) & (shifts[:, 1] == right)
-        images[at, 3 + down : 17 + down, 3 + right : 17 + right] += glyphs[labels[at]] * 0.7
+    rows = 3 + shifts[:, 0, None, None] + torch.arange(14)[:, None]  # each sample's glyph: its 14 x 14 pixels
+    cols = 3 + shifts[:, 1, None, None] + torch.arange(14)
+    images[torch.arange(n)[:, None, None], rows, cols] += glyphs[labels] * 0.7
     return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
 
 
@@ -1565,9 +1583,9 @@ def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict. --cores 1 may end the process."""
     args = parse_args(argv)
-    kind, out_dir, pod = prepare(args)
+    kind, out_dir, host, hosts = prepare(args)
     try:
-        launch(args, kind, out_dir, pod)
+        launch(args, kind, out_dir, host, hosts)
     except Exit as e:
         if e.code != 5:
             raise
