@@ -9,7 +9,8 @@ import os
 import signal
 
 # A replica process leaves stop signals to its launcher, which passes them on as SIGTERM to XLA's coordination service
-# (Control). Its handler is set before the slow imports: over SIG_IGN, libtpu's kills (pytorch/xla#8234).
+# (Control). So it sets an idle handler before the slow imports: libtpu, when it starts, chains to a Python handler, but
+# kills the process on a signal that was ignored (SIG_IGN; pytorch/xla#8234).
 REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
 if REPLICA_PROCESS:
 
@@ -129,7 +130,7 @@ def normalized(pixels):  # uint8 pixels as Normalize() makes them, once: 4 ops f
 
 
 def model_input(x):
-    """A batch's input as the model takes it, on the device: here as it comes (uint8 scaled here: 4 ops a step)."""
+    """A batch's input as the model takes it, on the device: here as it comes (dataset() normalized it once)."""
     return x
 
 
@@ -955,7 +956,7 @@ class Control:
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
         self.ended = None  # the Exit of a run that the launcher ended
         self.signalled = (None, 0.0)  # the first stop signal, and when it came
-        self.stop = 0  # the stop signal's number, for a replica in this process
+        self.signum = 0  # the stop signal's number, for a replica in this process
         self.grace_ends = math.inf  # when a stop signal's grace is over
         self.lock = threading.Lock()
         self.verdict = None  # the Exit of a smoke verdict the launcher wrote
@@ -966,7 +967,7 @@ class Control:
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
         keep = ("args", "out_dir", "folder", "host", "hosts", "in_process", "joined", "highest", "stop_step", "port")
-        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, stop=0)
+        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, signum=0)
 
     def __setstate__(self, state):
         self.__dict__.update(state, lock=threading.Lock())  # one per replica process: its replica threads share it
@@ -1009,7 +1010,7 @@ class Control:
         """After each step (counted over the epochs): the stop signal's number at the step to stop at, else None. In
         a replica process, the service names that step; its two replica threads (v2/v3) tell it only the higher step."""
         if self.in_process:
-            return self.stop or None
+            return self.signum or None
         with self.lock:
             if step > self.highest:
                 self.highest = step
@@ -1020,7 +1021,7 @@ class Control:
         return self.stop_signal() or signal.SIGTERM
 
     def stop_signal(self):  # the number of the signal the launcher took, or 0
-        return self.stop or self.read("stop").get("stop", 0)
+        return self.signum or self.read("stop").get("stop", 0)
 
     def set_stage(self, rank, stage):  # The launcher learns its process, device and how far it got.
         self.progress[rank] += 1
@@ -1056,7 +1057,7 @@ class Control:
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
-                self.stop = signum
+                self.signum = signum
                 self.write("stop", signum)
                 if self.grace_ends < math.inf:  # (and its line, should the grace end first)
                     self.grace_over = Exit(128 + signum, self.grace_over.line.replace("SIGHUP", "SIGTERM"))
@@ -1068,7 +1069,7 @@ class Control:
         elif stages <= {"setup", "devices"}:  # Every replica is before training, or none has started: nothing to save.
             self.end(self.conclude(Exit(128 + signum, f"stopped by {name} before training began: nothing to save")))
         else:
-            self.stop = signum
+            self.signum = signum
             self.write("stop", signum)
             for child in self.children():  # Their coordination service takes it: one step, on every host.
                 os.kill(child.pid, signal.SIGTERM)
@@ -1099,7 +1100,8 @@ class Control:
     def why_replicas_ended(self):  # (an Exit, its stage) of a process ended before its replicas, or of a failure
         replicas = self.replicas()
         self.seen.update((p.pid, p) for p in self.children())
-        # (A copy: the watch thread and exit_for() may both be here. SIGABRT last: the service's, after another death.)
+        # A copy: the watch thread and exit_for() may both be here. A SIGABRT comes last: it is how the coordination
+        # service ends the other processes once one has died, so the other death is the cause to name.
         for p in sorted(self.seen.values(), key=lambda p: p.exitcode == -signal.SIGABRT):
             stages = {rank: stage for rank, (pid, stage, *_) in replicas.items() if pid == p.pid}
             if p.exitcode is None or (stages and set(stages.values()) == {"ended"}):
@@ -1120,6 +1122,8 @@ class Control:
         return [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
 
     def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and launch() raises `ended`.
+        if self.ended is not None:
+            return  # The first end stands: the deaths that follow are its own doing.
         self.ended = ended
         if self.in_process:  # A replica in this process cannot be killed: the process prints the line and exits.
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -1167,14 +1171,15 @@ class Control:
         """This host's end, named, in OUT/ended-host-K; then the first of this launch's: (Exit, stage, whether ours)."""
         prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
         line = f"{prefix}host {self.host} ({os.uname().nodename}): {ended.line.removeprefix(prefix)}"
-        write_json(os.path.join(self.out_dir, f"ended-host-{self.host}"), dict(code=ended.code, line=line, stage=stage))
+        mine = os.path.join(self.out_dir, f"ended-host-{self.host}")
+        write_json(mine, dict(code=ended.code, line=line, stage=stage))
         time.sleep(1)  # Another host may end at the same moment: the earlier end is the run's, on every host.
-        ends = []
+        ends = [(os.path.getmtime(mine), False, read_json(mine))]  # this host's, whatever the clocks say
         for name in os.listdir(self.out_dir):
             path = os.path.join(self.out_dir, name)
-            with contextlib.suppress(OSError, ValueError):
-                if name.startswith("ended-host-") and os.path.getmtime(path) >= self.launched - 1:
-                    ends.append((os.path.getmtime(path), name != f"ended-host-{self.host}", read_json(path)))
+            with contextlib.suppress(OSError, ValueError):  # another host's, of this launch
+                if name.startswith("ended-host-") and path != mine and os.path.getmtime(path) >= self.launched - 1:
+                    ends.append((os.path.getmtime(path), True, read_json(path)))
         _, theirs, end = min(ends, key=lambda e: e[:2])
         return Exit(end["code"], end["line"]), end["stage"], not theirs
 
@@ -1283,14 +1288,16 @@ def check_devices(run):
 def check_arithmetic(run):
     """A known answer: a matmul, a convolution and a sum of small integers (-8 to 8), exact in bfloat16 and in float32
     sums of any order, so that any bit off is the chip's own."""
-    a = (torch.arange(128 * 128) * 7 % 17 - 8).float().reshape(128, 128)
-    image, kernel = a.reshape(2, 8, 32, 32), a.flatten()[:576].reshape(8, 8, 3, 3)  # sums below 2**24
-    programs = (lambda a, i, k: a @ a.T, lambda a, i, k: F.conv2d(i, k, padding=1), lambda a, i, k: a.sum(0))
-    got = [f(a.to(run.device), image.to(run.device), kernel.to(run.device)) for f in programs]
-    got = torch.cat([t.flatten() for t in got]).cpu()
-    exact = torch.cat([f(a.double(), image.double(), kernel.double()).flatten() for f in programs]).float()
+    m = (torch.arange(128 * 128) * 7 % 17 - 8).float().reshape(128, 128)  # every sum below 2**24
+    got = known_answers(m.to(run.device)).cpu()
+    exact = known_answers(m.double()).float()
     wrong = int((got.view(torch.int32) != exact.view(torch.int32)).sum())
     return wrong == 0, f"a matmul, a convolution and a sum of small integers: {wrong} of {len(exact)} values off"
+
+
+def known_answers(m):  # a matmul, a convolution and a sum, of a 128 x 128 matrix's values
+    image, kernel = m.reshape(2, 8, 32, 32), m.flatten()[:576].reshape(8, 8, 3, 3)
+    return torch.cat([(m @ m.T).flatten(), F.conv2d(image, kernel, padding=1).flatten(), m.sum(0)])
 
 
 def check_numerics(run):
@@ -1301,11 +1308,12 @@ def check_numerics(run):
     args = run.args
     x, y = first_batch(run)
     state = initial_model(args).state_dict()  # the same weights everywhere, whatever your initialisation does
-    device = first_step(args, state, x, y, run.device)[1]  # (first: a backward on the host first upsets autograd's)
+    # The device's first: torch's autograd fails on a device it meets after its first backward ran on the host.
+    got = first_step(args, state, x, y, run.device)[1]
     exact = first_step(args, state, x, y, torch.device("cpu"), torch.float64)[1]
     inputs = [x] + [nudged(x, seed) for seed in range(3) if x.is_floating_point()]
     eager = [first_step(args, state, batch, y, torch.device("cpu"))[1] for batch in inputs]
-    diffs = [distance(a, b) for a, b in zip(device, exact, strict=True)]
+    diffs = [distance(a, b) for a, b in zip(got, exact, strict=True)]
     spread = [max(distance(e[i], exact[i]) for e in eager) for i in range(3)]
     floor = tolerance(run, bf16=args.bf16)
     pairs = zip(("logits", "loss", "gradients"), diffs, spread, strict=True)
@@ -1347,7 +1355,7 @@ def likely_cause(args, state, x):
     if max(ratios) >= 10:
         return f"BatchNorm's one-pass variance (a channel's mean is {max(ratios):.0f} x its spread)"
     if any(isinstance(m, nn.modules.pooling._MaxPoolNd) for m in model.modules()):
-        return "ties in max-pooling (equal inputs, another takes the gradient)"
+        return "max-pooling, whose ties XLA may break otherwise (equal inputs: another takes the gradient)"
     return "an op that XLA lowers otherwise than eager PyTorch"
 
 
