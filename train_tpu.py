@@ -1214,7 +1214,10 @@ def run_replica_process(local_rank, *args, **kwargs):
         raise  # (the pool's worker lives on, idle)
 
 
-if REPLICA_PROCESS and XLA_IMPORT_ERROR is None:  # What a replica process sets up as it imports this file (see the top)
+# What a replica process sets up as it imports this file (see the top). It takes effect when this file is the script
+# run: the pool's task names torch_xla's function, which a replica of fit() looks up before it imports this module
+# (there, a replica whose runtime never starts ends the run only at the smoke deadline).
+if REPLICA_PROCESS and XLA_IMPORT_ERROR is None:
     RUN_THREAD_PER_DEVICE = pjrt._run_thread_per_device
     pjrt._run_thread_per_device = run_replica_process  # The pool's task names it by module and name: this one runs.
 
