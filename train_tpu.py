@@ -38,6 +38,7 @@ import multiprocessing
 import shutil
 import socket
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -175,7 +176,8 @@ def build_model(args):
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
 def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
-    whole = default_convert if isinstance(data, InMemory) else None  # InMemory's batches need no collating.
+    # InMemory's batches need no collating (nor those of a Subset of one, which passes its __getitems__ on).
+    whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None
     # Forked, as on Linux by default; in xmp.spawn's processes, spawned workers would import this file anew: 7 CPU-s.
     fork = "fork" if run.args.workers and sys.platform == "linux" else None
     # Its own generator seeds the workers: else it draws from the global RNG, seeded by initial_model (v2/v3: a race).
@@ -253,6 +255,8 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     data, test = dataset(args, train=True), dataset(args, train=False)
+    if args.smoke:
+        data = smoke_training_set(run, data)
     shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
     run.test = loader(run, test, range(run.rank, len(test), run.world))  # every world-th sample: each counts once
     run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
@@ -276,8 +280,10 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
 
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
-def launch(args, kind, out_dir, host, hosts):  # Runs the replicas (docs: learn/pjrt); what ended them is one Exit.
-    with Control(args, out_dir, host, hosts) as control:  # stop signals, a replica that fails, the smoke deadline
+def launch(args, kind, out_dir, host, hosts, from_python=False):  # Runs the replicas (docs: learn/pjrt): one Exit.
+    with Control(
+        args, out_dir, host, hosts, from_python
+    ) as control:  # stop signals, a replica that fails, the smoke deadline
         try:
             if not args.spmd:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
                 xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
@@ -567,10 +573,14 @@ class Parser(argparse.ArgumentParser):  # argparse's, but a bad flag raises Exit
 
 
 def report_bug(e):
-    """The line for an unexpected exception, a bug in your model say. Its traceback is printed first: you need it."""
+    """The line for an unexpected exception, a bug in your model say: its first line, and where it was raised in your
+    code or this file (a library's frames are left out). Its traceback is printed first: you need it."""
     with contextlib.suppress(OSError):  # (a stderr whose reader died)
         traceback.print_exception(e)
-    return f"failed: {type(e).__name__}: {e} (traceback above)"
+    libraries = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib"))
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
+    where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
+    return f"failed: {type(e).__name__}: {first_line(e)} ({where}traceback above)"
 
 
 def free_port():  # one that nothing on this machine listens on now. gRPC shares a port silently (SO_REUSEPORT).
@@ -757,8 +767,9 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
 # per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
 # perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD model, can compute something else
 # (pytorch/xla#6660): --resume converts either format and checks the saved test loss.
-SETTINGS = ("data", "data_dir", "epochs", "batch_size", "lr", "momentum", "seed", "steps_per_epoch", "layerdrop")
-SETTINGS += ("layerdrop_prob", "bf16", "log_steps", "save_steps", "save_minutes")  # what a resume takes, unless given
+# Every flag is a setting, which a resume takes unless it is given again (a flag you add too), but for these: where and
+# how this process runs.
+NOT_SETTINGS = ("resume", "out_dir", "cores", "spmd", "smoke", "smoke_timeout", "coordinator_port", "workers", "given")
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -776,7 +787,7 @@ def save(run, *, next_epoch, steps_done, test=None):
         "test_loss": None if test is None else test.loss,
         "history": run.history,
         "epochs": run.epochs,
-        "settings": {name: getattr(run.args, name) for name in SETTINGS},
+        "settings": settings(run.args),
         "rng": xm.get_rng_state(run.device),  # read on the host: the seed of the next step's random ops, dropout's
     }
     path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
@@ -790,14 +801,18 @@ def save(run, *, next_epoch, steps_done, test=None):
         shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
     if run.master:
         os.replace(path + ".tmp", path)  # A kill mid-write, or before this line, leaves the last whole checkpoints.
-        settings = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # and whose they are
-        write_json(os.path.join(run.out_dir, "settings.json"), settings)
+        named = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # and whose they are
+        write_json(os.path.join(run.out_dir, "settings.json"), named)
         for old in checkpoints(run.out_dir)[:-KEEP_CHECKPOINTS]:
             if os.path.isdir(old):
                 shutil.rmtree(old)
             else:
                 os.remove(old)
     return path
+
+
+def settings(args):  # what a resume takes of this run's flags
+    return {name: value for name, value in vars(args).items() if name not in NOT_SETTINGS}
 
 
 def checkpoints(folder):
@@ -929,7 +944,7 @@ def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's afte
     return [signal.SIGTERM, signal.SIGINT, *hangup]
 
 
-STOP_GRACE = 25  # Seconds from a stop signal to a forced exit. A preempted TPU VM has about 30.
+STOP_GRACE = 25  # Seconds from a SIGTERM to a forced exit: a preempted TPU VM has about 30. Ctrl-C and SIGHUP wait.
 HEARTBEAT = 55  # seconds: XLA's coordination service ends every process this long after one stops heartbeating. Its
 # clients beat every 50 s, whatever this says: 45 ended healthy runs here, so 55 keeps a slice's end within 60 s.
 
@@ -944,8 +959,9 @@ class Control:
     - Replicas tell the launcher their stage in files of this host (`replica-N`, `failed-N`); the launcher writes the
       signal (`stop`). Each host notes its end in the run folder (`ended-host-K`): every host names the first."""
 
-    def __init__(self, args, out_dir, host=0, hosts=1):
+    def __init__(self, args, out_dir, host=0, hosts=1, from_python=False):
         self.args = args
+        self.from_python = from_python  # fit(): every end is an exception in the caller, never the process's exit
         self.out_dir = out_dir  # where a verdict goes when the launcher ends a smoke run
         self.host, self.hosts = host, hosts  # this host's worker number, and the slice's hosts
         self.folder = tempfile.mkdtemp(prefix="train_tpu-")
@@ -967,6 +983,7 @@ class Control:
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
         keep = ("args", "out_dir", "folder", "host", "hosts", "in_process", "joined", "highest", "stop_step", "port")
+        keep += ("from_python",)
         return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, signum=0)
 
     def __setstate__(self, state):
@@ -1053,14 +1070,15 @@ class Control:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at one step.
+        if self.ended is not None and self.from_python:
+            raise self.ended  # end() sent this SIGINT to end the replica in this thread (fit())
         name = signal.Signals(signum).name
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
                 self.signum = signum
                 self.write("stop", signum)
-                if self.grace_ends < math.inf:  # (and its line, should the grace end first)
-                    self.grace_over = Exit(128 + signum, self.grace_over.line.replace("SIGHUP", "SIGTERM"))
+                self.start_grace(signum)
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
         self.signalled = (signum, time.monotonic())
         stages = {stage for _, stage, *_ in self.replicas().values()}
@@ -1073,10 +1091,14 @@ class Control:
             self.write("stop", signum)
             for child in self.children():  # Their coordination service takes it: one step, on every host.
                 os.kill(child.pid, signal.SIGTERM)
-            why = f"a step (or its compilation) takes longer than the {STOP_GRACE} s grace: nothing saved"
-            self.grace_over = Exit(128 + signum, f"stopped by {name}: {why}")
-            self.grace_ends = time.monotonic() + STOP_GRACE
-            self.woken.set()
+            if signum == signal.SIGTERM:
+                self.start_grace(signum)
+
+    def start_grace(self, signum):  # A preemption's SIGTERM has a deadline: a step that outlasts it ends the run.
+        why = f"a step (or its compilation) takes longer than the {STOP_GRACE} s grace: nothing saved"
+        self.grace_over = Exit(128 + signum, f"stopped by {signal.Signals(signum).name}: {why}")
+        self.grace_ends = time.monotonic() + STOP_GRACE
+        self.woken.set()
 
     def watch(self):
         """Every half second: ends the run if a replica process died (xmp.spawn's pool can miss one in Python 3.11) or
@@ -1125,12 +1147,18 @@ class Control:
         if self.ended is not None:
             return  # The first end stands: the deaths that follow are its own doing.
         self.ended = ended
-        if self.in_process:  # A replica in this process cannot be killed: the process prints the line and exits.
+        if not self.in_process:
+            for child in self.children():
+                child.kill()
+        elif self.from_python:  # fit(): the caller's process lives on, and its replica, in the main thread, raises.
+            if threading.current_thread() is threading.main_thread():
+                raise ended
+            if self.handlers:  # (on_signal raises it there; without them, fit() off the main thread, it ends later)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        else:  # A replica in this process cannot be killed: the process prints the line and exits.
             shutil.rmtree(self.folder, ignore_errors=True)
             tell(self.out_dir, f"train_tpu.py: {ended.line}", sys.stderr)
             os._exit(ended.code)
-        for child in self.children():
-            child.kill()
 
     def deadline_passed(self, replicas):  # The replicas furthest behind FAIL: the others wait for them in a collective.
         verdict = os.path.join(self.out_dir, "verdict.json")
@@ -1258,6 +1286,17 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
     failed = [c["name"] for c in run.checks if c["passed"] is False]
     if failed:
         raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
+
+
+def smoke_training_set(run, data):
+    """--smoke trains as many steps on 32 devices as on 1, 2 epochs of 40: the synthetic digits are read as often as
+    they need. (Their 12,000 give 8 devices 11 steps of 1,024 samples an epoch: too few to learn, on a healthy VM.)"""
+    need = run.args.steps_per_epoch * run.global_batch
+    steps = f"{run.args.epochs} epochs of {run.args.steps_per_epoch} steps of {run.global_batch}"
+    run.say(f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
+    if len(data) >= need or getattr(data, "smoke_target", None) is None:  # Your own data is read as it is.
+        return data
+    return torch.utils.data.Subset(data, [i % len(data) for i in range(need)])
 
 
 def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (None), kept in the run and the launcher's.
@@ -1592,13 +1631,13 @@ def synthetic_digits(n, seed):
 # ---- from Python: the results back in the caller ---------------------------------------------------------------------
 def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
-    history, epochs and verdict. It raises Exit where main() fails, but for a verdict. --cores 1 may end the process."""
+    history, epochs and verdict. It raises Exit where main() fails, but for a verdict; never ends the process."""
     args = parse_args(argv)
     kind, out_dir, host, hosts = prepare(args)
     try:
-        launch(args, kind, out_dir, host, hosts)
+        launch(args, kind, out_dir, host, hosts, from_python=True)
     except Exit as e:
-        if e.code != 5:
+        if e.code not in (0, 5):  # (0: the smoke deadline passed after a PASS verdict)
             raise
     found = checkpoints(out_dir)  # none if a smoke deadline passed before the first
     r = argparse.Namespace(model=None, history=[], epochs=[], verdict=None, out_dir=out_dir)
