@@ -2370,6 +2370,12 @@ def test_a_resume_keeps_the_optimizers_own_param_groups_but_for_the_flags_given_
     assert groups["--lr"] == saved | {"lr": 0.02}
 
 
+def test_a_checkpoint_keeps_every_flag_as_a_setting_but_where_and_how_the_process_runs(runs):
+    saved = final(runs["root"] / "base")["settings"]
+    assert set(saved) == set(vars(tt.parse_args([]))) - set(tt.NOT_SETTINGS)
+    assert (saved["seed"], saved["save_steps"], saved["target_accuracy"]) == (3, 7, 0.0)  # STRAIGHT's, and a default
+
+
 def test_a_flag_you_add_is_a_setting_that_a_resume_keeps_unless_given_again(tmp_path, monkeypatch):
     flag = '    p.add_argument("--weight-decay", type=float, default=0.0, help="yours")\n'
     source = (
