@@ -994,6 +994,8 @@ def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, bat
         (["--smoke", "--resume", "x"], "--smoke checks a fresh run: leave out --resume"),
         (["--cores", "2"], "--cores 2 on the CPU: torch_xla's CPU collectives hang"),
         (["--cores", "1", "--resume", "nowhere"], "--resume nowhere: no checkpoint there"),
+        (["--out-dir", "gs://bucket/run"], "argument --out-dir: gs://bucket/run is a storage URL, which this trainer"),
+        (["--resume", "gs://bucket/run"], "argument --resume: gs://bucket/run is a storage URL, which this trainer"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):

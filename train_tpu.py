@@ -459,6 +459,12 @@ RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). N
 def check_flags(p, args):
     if args.smoke and args.resume:
         p.error("--smoke checks a fresh run: leave out --resume")
+    for name in ("out_dir", "resume"):  # os.path would take gs://b/run for a local folder named gs:/b/run
+        if "://" in (getattr(args, name) or ""):
+            why = (
+                "a storage URL, which this trainer cannot write yet: give a folder; on a spot VM, on a persistent disk"
+            )
+            p.error(f"argument --{name.replace('_', '-')}: {getattr(args, name)} is {why}")
     for names, rule, ok in RANGES:
         for name in names:
             value = getattr(args, name)
