@@ -2722,14 +2722,14 @@ def test_the_deadline_names_a_replica_process_whose_runtime_never_started(tmp_pa
 
 # ---- a pod slice: two hosts, a launcher and a replica process each (on_slice()) -------------------------------------
 def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000128.pt",), results=None):
-    """Both hosts exited `code` with `line` last (the first end, which each host notes in the run folder), within 60 s
+    """Both hosts exited `code` with `line` last (the first end, which each host notes in the run folder), within 150 s
     of the fault (the coordination service ends the other host's), with no process of theirs left; the checkpoints
     saved before stay."""
     fault = float((runs["root"] / f"{name}.fault").read_text())
     results = results or runs[name.replace("-", "_")]
     for k, ((got, out, err, left, _), ended) in enumerate(results):
         assert (got, last_line_of(err)) == (code, f"train_tpu.py: {line}"), (k, out[-2000:] + err[-3000:])
-        assert not left and ended - fault < 60, (k, left, ended - fault)
+        assert not left and ended - fault < 150, (k, left, ended - fault)
         assert (runs["root"] / name / f"log-host-{k}.txt").read_text().splitlines()[-1] == f"train_tpu.py: {line}"
     assert [os.path.basename(p) for p in tt.checkpoints(str(runs["root"] / name))] == list(kept)
 
@@ -2748,13 +2748,14 @@ def test_a_replica_killed_on_one_host_of_a_slice_under_smoke_ends_every_host_wit
     assert printed == [0, 1]  # by host 1's launcher only
 
 
-def test_a_host_that_vanishes_from_a_slice_ends_the_others_within_60_s_through_the_coordination_service(runs):
+def test_a_host_that_vanishes_from_a_slice_ends_the_others_within_150_s_through_the_coordination_service(runs):
     """Host 1's launcher and replica killed at once, as a VM that is gone: the service (in host 0's process 0) misses
     its heartbeats, and ends host 0's replica process, which waits for it in a collective."""
     (code, out, err, left, _), ended = runs["pod_lost"][0]
     fault = float((runs["root"] / "pod-lost.fault").read_text())
-    assert code == 1 and not left and ended - fault < 60, (ended - fault, err[-3000:])
-    how = "killed by SIGABRT: the coordination service ended it, as a process elsewhere stopped, or it aborted"
+    assert code == 1 and not left and ended - fault < 150, (ended - fault, err[-3000:])
+    how = "killed by SIGABRT: the coordination service ended it, as a process elsewhere stopped (its log above names"
+    how += " the unhealthy tasks: task K is the process of xr.process_index() K), or it aborted"
     line = f"failed: host 0 (vm): replica 0 (device 0)'s process died ({how}) in training; its checkpoints stay"
     assert last_line_of(err) == f"train_tpu.py: {line}"
     assert "coordination_service.cc" in err and "unhealthy (stopped sending heartbeats)" in err  # XLA's own words

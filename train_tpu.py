@@ -951,8 +951,10 @@ def stop_signals():  # SIGHUP too: an ssh session's end, or a VM shutdown's afte
 
 
 STOP_GRACE = 25  # Seconds from a SIGTERM to a forced exit: a preempted TPU VM has about 30. Ctrl-C and SIGHUP wait.
-HEARTBEAT = 55  # seconds: XLA's coordination service ends every process this long after one stops heartbeating. Its
-# clients beat every 50 s, whatever this says: 45 ended healthy runs here, so 55 keeps a slice's end within 60 s.
+# Seconds: XLA's coordination service ends every process this long after one stops heartbeating. Its clients beat
+# every 50 s, whatever this says (45 ended healthy runs here): 110 lets one beat come a whole beat late, as on a busy
+# host, and still ends a slice within 150 s of a lost host. (JAX's default is 100.)
+HEARTBEAT = 110
 
 
 class Control:
@@ -1136,7 +1138,8 @@ class Control:
                 continue  # alive, or ended after its replicas
             how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
             if p.exitcode == -signal.SIGABRT:  # XLA's coordination service ends a process so, when another stopped
-                how += ": the coordination service ended it, as a process elsewhere stopped, or it aborted"
+                how += ": the coordination service ended it, as a process elsewhere stopped (its log above names the"
+                how += " unhealthy tasks: task K is the process of xr.process_index() K), or it aborted"
             ranks = " and ".join(f"{rank} (device {replicas[rank][3]})" for rank in stages)
             who = f"replica {ranks}'s process" if stages else f"replica process {p.pid}"
             stage = next(iter(stages.values()), "setup")
