@@ -51,7 +51,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate, default_convert
 
 USER_DEVICE = os.environ.get("PJRT_DEVICE")  # PJRT_DEVICE as the user set it: `import torch_xla` sets it if unset.
 XLA_IMPORT_ERROR = None
@@ -173,6 +173,16 @@ def build_model(args):
     return ToyModel(args.layerdrop)
 
 
+# ---- optimizer and learning-rate schedule: your own goes here (edit 3 of 3) ------------------------------------------
+def build_optimizer(args, model, steps):
+    """The optimizer, and the schedule that sets its learning rate, stepped after each of the run's `steps`: any
+    torch.optim.lr_scheduler, whose state each checkpoint keeps. Here SGD at a constant --lr: with a warm-up and a
+    cosine decay, the smoke test's ToyModel reached 86% in 40 steps, where a constant lr reached its 90%."""
+    # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
 def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
@@ -210,6 +220,7 @@ def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device u
         xm.optimizer_step(run.optimizer)  # It averages the gradients over the replicas (an all-reduce), then steps.
     else:
         run.optimizer.step()  # Under SPMD one program spans every device, and GSPMD inserts the all-reduce.
+    run.schedule.step()  # The next step's lr: XLA takes it as data, not a constant, so a new lr compiles nothing.
     return loss.detach()
 
 
@@ -240,8 +251,9 @@ def train_epoch(run, batches, epoch, skip):
     run.log.start_epoch(epoch, skip)
     step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
     for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
+        lr = run.optimizer.param_groups[0]["lr"]  # this step's, which the schedule then moves on
         loss = train_step(run, batch, layerdrop_keep(run, epoch, step))
-        run.log.add(step, loss)
+        run.log.add(step, loss, lr)
         checkpoint_or_stop(run, epoch, step)  # per --save-steps, and when the launcher asks (on time, or to stop)
     if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
@@ -252,8 +264,6 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     args = run.args
     run.model = initial_model(args).to(run.device)  # Its first weights come from --seed alone.
     broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
-    # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
-    run.optimizer = torch.optim.SGD(run.model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     data, test = dataset(args, train=True), dataset(args, train=False)
     if args.smoke:
         data = smoke_training_set(run, data)
@@ -262,6 +272,7 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
     if run.steps == 0:
         raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
+    run.optimizer, run.schedule = build_optimizer(args, run.model, args.epochs * run.steps)
     run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
     if args.smoke:
         run.untrained = evaluate(run)  # the learning check's baseline: the initial weights' test loss
@@ -349,6 +360,7 @@ class Run:
     steps: int = 0  # steps per epoch
     model: nn.Module = None
     optimizer: torch.optim.Optimizer = None
+    schedule: torch.optim.lr_scheduler.LRScheduler = None
     test: DataLoader = None  # this replica's share of the test set
     log: "Log" = None
     history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
@@ -433,13 +445,21 @@ def prepare(args):
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
     out_dir = prepare_out_dir(args, hosts)
     try:  # Once, before any replica starts: replicas never race to download, and a missing dataset exits 2 here.
-        dataset(args, train=True), dataset(args, train=False)
+        _, test = dataset(args, train=True), dataset(args, train=False)
     except Exception as e:
         raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
     hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
     if args.layerdrop != "off" and not hooks:
         raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
+    if args.smoke:  # A model that cannot take the smoke's data would end it in a traceback that says nothing of the VM.
+        x = default_collate([test[0]])[0]
+        try:
+            with torch.no_grad():
+                model.eval()(model_input(x))
+        except Exception as e:
+            why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
+            raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
     return kind, out_dir, host, hosts
 
 
@@ -694,12 +714,12 @@ class Log:
     def is_boundary(self, step):
         return step % self.run.args.log_steps == 0 or step == self.run.steps
 
-    def add(self, step, loss):
+    def add(self, step, loss, lr):
         """After each step is traced. MpDeviceLoader launched the steps before it, so the clock starts here."""
         if step == self.timed_from + 1:
             self.started = time.perf_counter()
         if self.is_boundary(step):  # Only a boundary's loss is read back: one transfer each, whatever the steps.
-            self.unread.append((step, loss))
+            self.unread.append((step, loss, lr))
             self.read(upto=self.previous)
             self.previous = step
 
@@ -712,10 +732,11 @@ class Log:
         """Reads back the boundaries' losses up to step `upto`, to their lines, TensorBoard and the history. Each is
         then freed: live tensors slow every graph cut a little more."""
         while self.unread and self.unread[0][0] <= upto:
-            step, tensor = self.unread.pop(0)
+            step, tensor, lr = self.unread.pop(0)
             loss = float(tensor.cpu())
             self.scalar("train/loss", loss, step)
-            self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss))
+            self.scalar("train/lr", lr, step)
+            self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss, lr=lr))
             self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {loss:.4f}")
 
     def end_epoch(self, test):
@@ -787,6 +808,7 @@ def save(run, *, next_epoch, steps_done, test=None):
     ckpt = {
         "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
+        "schedule": run.schedule.state_dict(),
         "epoch": next_epoch,
         "samples": samples,
         "device": run.kind,
@@ -887,12 +909,20 @@ def resume(run):
     except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
         why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
         raise Exit(2, f"error: --resume {path}: {why}") from e
-    for group in run.optimizer.param_groups:  # as saved (a schedule's lr, Adam's betas), but for the flags given again
-        group.update({name: getattr(args, name) for name in ("lr", "momentum") if name in args.given and name in group})
+    for group in run.optimizer.param_groups:  # as saved (Adam's betas, say), but for a momentum given again
+        group.update({"momentum": args.momentum} if "momentum" in args.given and "momentum" in group else {})
     done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
+    # The schedule goes on as saved. --lr, --epochs or --steps-per-epoch given again reshape it, from the saved step on
+    # (as does a checkpoint saved before it had one).
+    if "schedule" in ckpt and not {"lr", "epochs", "steps_per_epoch"} & args.given:
+        run.schedule.load_state_dict(ckpt["schedule"])
+    else:  # (PyTorch warns of a schedule's first step before the optimizer's: here it is a move to the saved step)
+        run.schedule.last_epoch = (ckpt["epoch"] - 1) * run.steps + done - 1
+        with warnings.catch_warnings(action="ignore"):
+            run.schedule.step()
     run.history, run.epochs = ckpt["history"], ckpt["epochs"]
     test = verify(run, path, ckpt)
     # Every torch_xla.sync() moves the device's RNG on, the evaluation's in verify() too: set now, dropout goes on with
