@@ -292,9 +292,8 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
 def launch(args, kind, out_dir, host, hosts, from_python=False):  # Runs the replicas (docs: learn/pjrt): one Exit.
-    with Control(
-        args, out_dir, host, hosts, from_python
-    ) as control:  # stop signals, a replica that fails, the smoke deadline
+    # Control: stop signals, a replica that fails, the smoke deadline.
+    with Control(args, out_dir, host, hosts, from_python) as control:
         try:
             if not args.spmd:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
                 xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
@@ -1331,10 +1330,10 @@ def smoke_training_set(run, data):
     """--smoke trains as many steps on 32 devices as on 1, 2 epochs of 40: the synthetic digits are read as often as
     they need. (Their 12,000 give 8 devices 11 steps of 1,024 samples an epoch: too few to learn, on a healthy VM.)"""
     need = run.args.steps_per_epoch * run.global_batch
-    steps = f"{run.args.epochs} epochs of {run.args.steps_per_epoch} steps of {run.global_batch}"
-    run.say(f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
     if len(data) >= need or getattr(data, "smoke_target", None) is None:  # Your own data is read as it is.
         return data
+    steps = f"{run.args.epochs} epochs of {run.args.steps_per_epoch} steps of {run.global_batch}"
+    run.say(f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
     return torch.utils.data.Subset(data, [i % len(data) for i in range(need)])
 
 
