@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -26,6 +27,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -36,6 +38,8 @@ from torch.utils.data import DistributedSampler
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import train_tpu as tt  # noqa: E402  (importing it does nothing: no device, no parsing)
+
+torch.set_num_threads(1)  # The tests here run beside the runs on 2 cores, as the runs' OMP_NUM_THREADS=1 do.
 
 STRAIGHT = [
     "--cores",
@@ -304,13 +308,14 @@ def on_slice(root, out, *argv, patch="", timeout=240, when=None, replicas=1, **h
     launcher = root / "world.py"
     if not launcher.exists():
         launcher.write_text(WORLD)
-    store, peers = root / f"store-{out}-{time.monotonic_ns()}", []  # gloo's rendezvous: one per run
+    name = out.rsplit("/", 1)[-1]  # (of a bucket's folder too)
+    store, peers = root / f"store-{name}-{time.monotonic_ns()}", []  # gloo's rendezvous: one per run
     port = tt.free_port()  # the coordination service's, on "host 0": every run its own
 
     def host(k):
         environ = env(WORLD="processes", WORLD_STORE=store, WORLD_PATCH=patch, WORLD_HOST=k, WORLD_HOSTS=2)
         environ["WORLD_REPLICAS"] = str(replicas)
-        environ["FAULT_FILE"] = str(root / f"{out}.fault")  # when a patch's fault happened (time.monotonic())
+        environ["FAULT_FILE"] = str(root / f"{name}.fault")  # when a patch's fault happened (time.monotonic())
         environ.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
         # The service's timeout, 55 s: train_tpu.py's 110 s (a beat's margin on a busy host) holds three slice runs a
         # minute longer each, more than this suite's budget has. (Run at 110 s: they ended within 150 s.)
@@ -598,19 +603,64 @@ def pod_stopped_then_one_raises(root):
     writing late;
     then --resume on every host, where replica 1 raises once the checkpoint of epoch 3 step 4 is there: each host's
     results, the files the stop saved, the step it saved at and its checkpoint."""
-    when = {0: ("epoch 2 step 2/", HANGUP)}
-    stopped = on_slice(root, "pod-stop", *WORLD_RUN, patch=SLOW_MASTER + SLOW_EPOCH_2, when=when, tee=True)
-    saved = sorted(os.listdir(root / "pod-stop"))
-    stop = tt.load_checkpoint(tt.find_checkpoint(str(root / "pod-stop")))
-    fault = pod_fault("raise RuntimeError('bad chip')").replace(
-        "len(steps) == 8", 'os.path.exists("pod-stop/checkpoint-0003-000000128.pt")'
-    )
-    resumed = on_slice(root, "pod-stop", "--resume", "pod-stop", "--save-steps", 4, patch=fault)
+    when, out = {0: ("epoch 2 step 2/", HANGUP)}, "gs://bucket/pod-stop"  # the slice's run folder: a bucket
+    stopped = on_slice(root, out, *WORLD_RUN, patch=SLOW_MASTER + SLOW_EPOCH_2 + WRITES, when=when, tee=True)
+    saved = [path.rsplit("/", 1)[-1] for path in bucket().ls(out)]
+    stop = tt.load_checkpoint(tt.find_checkpoint(out))
+    there = f'tt.store("{out}").exists("{out}/checkpoint-0003-000000128.pt")'
+    fault = pod_fault("raise RuntimeError('bad chip')").replace("len(steps) == 8", there)
+    resumed = on_slice(root, out, "--resume", out, "--save-steps", 4, patch=fault + WRITES)
     return stopped, saved, stop["samples"] // 32, stop, resumed
 
 
+# ---- Cloud Storage on loopback -------------------------------------------------------------------------------------
+EMULATOR = """
+import logging, sys, time
+from gcp_storage_emulator.server import create_server
+logging.basicConfig(filename=sys.argv[2], level=logging.INFO, format="%(message)s")  # a line for each request
+create_server("127.0.0.1", int(sys.argv[1]), in_memory=True, default_bucket="bucket").start()
+print("serving", flush=True)
+time.sleep(3600)
+"""
+WRITES = """
+import gcsfs, os
+def noted(write):  # Every object that gcsfs writes, and the process that writes it: a line in OUT's parent, cwd
+    async def note(self, *args, **kwargs):
+        with open("gcs.writes", "a") as f:
+            f.write(f"{os.getpid()} {args[1] if write.__name__ == '_put_file' else args[0]}\\n")
+        return await write(self, *args, **kwargs)
+    return note
+gcsfs.GCSFileSystem._put_file = noted(gcsfs.GCSFileSystem._put_file)
+gcsfs.GCSFileSystem._pipe_file = noted(gcsfs.GCSFileSystem._pipe_file)
+"""
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A Cloud Storage server on 127.0.0.1 (gcp-storage-emulator) with one bucket, "bucket", which gcsfs reaches through
+    the environment of this process and of every run: the log of its requests. Nothing reaches a metadata server."""
+    port, log = tt.free_port(), tmp_path_factory.mktemp("gcs") / "requests.log"
+    command = [sys.executable, "-c", EMULATOR, str(port), str(log)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert server.stdout.readline() == "serving\n"
+    closed = f"127.0.0.1:{tt.free_port()}"  # where google-auth would look for credentials: nothing listens there
+    environ = dict(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}", FSSPEC_GS_TOKEN="anon", NO_GCE_CHECK="true")
+    environ.update(GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed)
+    before = dict(os.environ)
+    os.environ.update(environ)
+    fsspec.config.set_conf_env(fsspec.config.conf)  # (this process imported fsspec before: FSSPEC_GS_TOKEN now)
+    yield log
+    server.kill()
+    os.environ.clear()
+    os.environ.update(before)
+
+
+def bucket():
+    return tt.store("gs://bucket")
+
+
 @pytest.fixture(scope="session", autouse=True)
-def started(tmp_path_factory):
+def started(tmp_path_factory, gcs):
     """Starts every run of train_tpu.py that the tests below look at, four at a time, as the session starts: they go
     on while the tests that need none run in this process."""
     if os.environ.get("REUSE_RUNS"):  # a folder of an earlier session's runs: for work on the tests alone
@@ -630,7 +680,7 @@ def started(tmp_path_factory):
                 "--resume",
                 "base",
                 "--out-dir",
-                "conv",
+                "gs://bucket/conv",
                 "--epochs",
                 3,
                 "--steps-per-epoch",
@@ -640,7 +690,7 @@ def started(tmp_path_factory):
             ),
             cli(
                 "--resume",
-                "conv",
+                "gs://bucket/conv",
                 "--cores",
                 1,
                 "--epochs",
@@ -657,16 +707,14 @@ def started(tmp_path_factory):
 
     slow = [sys.executable, "-u", str(slow_copy(root / "slow"))]
 
-    def killed():  # the same run with 0.1 s steps, saving on time only (every 0.6 s), killed; then resumed
-        on_time = [*map(str, STRAIGHT[:-4] + STRAIGHT[-2:]), "--save-minutes", "0.01", "--out-dir", "stop-SIGKILL"]
+    def killed():  # the same run into the bucket, 0.1 s steps, saving on time only (every 0.6 s), killed; then
+        # resumed as on the VM that replaces a preempted one: no log of the run on its disk
+        out = "gs://bucket/stop-SIGKILL"
+        on_time = [*map(str, STRAIGHT[:-4] + STRAIGHT[-2:]), "--save-minutes", "0.01", "--out-dir", out]
         environ = env(SLOW_FROM=0, SLOW_SECONDS=0.1)
         code, err = interrupt(slow + on_time, "epoch 2 step 10/", signal.SIGKILL, root, environ)
-        return (
-            code,
-            err,
-            sorted(os.listdir(root / "stop-SIGKILL")),
-            cli("--resume", "stop-SIGKILL", "--cores", 1, cwd=root),
-        )
+        shutil.rmtree(root / "runs" / "gs" / "bucket" / "stop-SIGKILL")
+        return code, err, sorted(bucket().ls(out)), cli("--resume", out, "--cores", 1, cwd=root)
 
     def stopped_over_ssh():  # SIGTERM, then SIGHUP, to the group, its stdout read by a tee there; then resumed
         """The same run, its steps from epoch 2 step 9 on 2.5 s long: the signals come at its start."""
@@ -998,8 +1046,6 @@ def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, bat
         (["--smoke", "--resume", "x"], "--smoke checks a fresh run: leave out --resume"),
         (["--cores", "2"], "--cores 2 on the CPU: torch_xla's CPU collectives hang"),
         (["--cores", "1", "--resume", "nowhere"], "--resume nowhere: no checkpoint there"),
-        (["--out-dir", "gs://bucket/run"], "argument --out-dir: gs://bucket/run is a storage URL, which this trainer"),
-        (["--resume", "gs://bucket/run"], "argument --resume: gs://bucket/run is a storage URL, which this trainer"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
@@ -1355,14 +1401,15 @@ def test_a_checkpoint_deleted_while_the_launcher_lists_them_is_left_out(monkeypa
     moment. A name listed, then gone before its time is read, must not end the run ("run control failed")."""
     for name in ("checkpoint-0001-000000000.pt", "checkpoint-0002-000000000.pt", "checkpoint-0003-000000000.pt"):
         (tmp_path / name).write_bytes(b"x")
-    real = os.path.getmtime
+    local = type(fsspec.filesystem("file"))
+    real = local.modified
 
-    def getmtime(path):  # the oldest goes between the listing and this read
+    def modified(self, path):  # the master deletes the oldest between the listing and this read
         if str(path).endswith("0001-000000000.pt"):
-            raise FileNotFoundError(path)
-        return real(path)
+            os.remove(path)
+        return real(self, path)
 
-    monkeypatch.setattr(tt.os.path, "getmtime", getmtime)
+    monkeypatch.setattr(local, "modified", modified)
     assert [os.path.basename(p) for p in tt.checkpoints(str(tmp_path))] == [
         "checkpoint-0002-000000000.pt",
         "checkpoint-0003-000000000.pt",
@@ -1685,13 +1732,17 @@ def test_sigterm_then_sighup_over_ssh_mid_a_slow_epoch_saves_within_3_steps_and_
     assert len(board.Scalars("train/loss")) == 6  # every boundary's, before the stop and after
 
 
-def test_kill_9_resumes_exactly_from_the_newest_checkpoint_which_it_saved_on_time(runs):
+def test_kill_9_resumes_exactly_from_the_newest_checkpoint_which_it_saved_on_time(runs, gcs):
     """No --save-steps, and --save-minutes 0.01: a checkpoint every 0.6 s, at the step that the launcher asks for."""
     code, err, saved, resumed = runs["kill"]
     assert code == -signal.SIGKILL, err
     done = int(re.search(r"continuing at epoch 2 of 2, after step (\d+)", ok(resumed).stdout).group(1))
-    assert 0 < done < 20 and f"checkpoint-0002-{done * 128:09d}.pt" in saved  # neither an epoch's end nor a stop
-    same_run(runs["root"] / "base", runs["root"] / "stop-SIGKILL")  # steps run twice are counted once
+    out = "bucket/stop-SIGKILL"  # in the bucket: resumed as on the VM that replaced a preempted one, no log on its disk
+    assert 0 < done < 20 and f"{out}/checkpoint-0002-{done * 128:09d}.pt" in saved  # neither an epoch's end nor a stop
+    same_run(runs["root"] / "base", f"gs://{out}")  # steps run twice are counted once
+    log = text(f"gs://{out}/log.txt")  # the first VM's lines, to its last checkpoint, then the second's
+    assert log.index("epoch 1 done") < log.index("continuing at epoch 2 of 2") < log.index("done | 2 epochs")
+    assert not [line for line in gcs.read_text().splitlines() if ".tmp" in line]  # no object renamed in the bucket
 
 
 # ---- SPMD, and checkpoints that move between the modes -------------------------------------------------------------
@@ -1702,19 +1753,63 @@ def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(ru
     assert float(check.group(1)) == pytest.approx(saved, abs=1e-6) and abs(float(check.group(2)) - saved) <= 1e-5
     assert "2 devices, SPMD | global batch 256 | lr 0.05 | 10 steps per epoch" in spmd.stdout
     assert "epoch 3 done" in spmd.stdout
-    assert "resume | converted, saved as conv/checkpoint-0003-000000000\n" in spmd.stdout  # a DCP folder: no .pt
-    assert "resume | conv/checkpoint-0004-000000000: continuing at epoch 4 of 4" in back.stdout  # resumed from DCP
-    assert back.returncode == 21 and re.search(
-        r"converted, saved as \S*conv/checkpoint-0004-000000000.pt\n", back.stdout
-    )
+    conv = "gs://bucket/conv"  # in the bucket: a DCP folder (no .pt), then a file, converted each way
+    assert f"resume | converted, saved as {conv}/checkpoint-0003-000000000\n" in spmd.stdout
+    assert f"resume | {conv}/checkpoint-0004-000000000: continuing at epoch 4 of 4" in back.stdout  # resumed from DCP
+    assert back.returncode == 21 and f"converted, saved as {conv}/checkpoint-0004-000000000.pt\n" in back.stdout
     check = re.search(r"resume check \| test loss saved (\S+), now (\S+) ", back.stdout)
     assert abs(float(check.group(1)) - float(check.group(2))) <= 1e-5
     assert (
         last_line(back).startswith("train_tpu.py: failed: test accuracy ") and "--target-accuracy 100.5" in back.stderr
     )
-    resumed = final(runs["root"] / "conv")  # --lr given anew: the optimizer the resumed run stepped with took it
+    resumed = final(conv)  # --lr given anew: the optimizer the resumed run stepped with took it
     assert [g["lr"] for g in resumed["optimizer"]["param_groups"]] == [0.02] and resumed["settings"]["lr"] == 0.02
     assert "| lr 0.02 |" in back.stdout
+
+
+def writes(runs, run):  # {object: the processes that wrote it} of a run in the bucket
+    found = collections.defaultdict(set)
+    for line in (runs["root"] / "gcs.writes").read_text().splitlines():
+        pid, path = line.split()
+        path = path.removeprefix("gs://")
+        if path.startswith(f"bucket/{run}/"):
+            found[path.removeprefix(f"bucket/{run}/")].add(pid)
+    return found
+
+
+def test_the_newest_checkpoint_in_a_bucket_is_the_last_written_whatever_its_name(gcs):
+    """As on a disk: a run resumed from an older checkpoint goes on in its folder. Neither a DCP folder without its
+    .metadata (being written) nor a .tmp counts; settings.json names the newest."""
+    folder, fs = "gs://bucket/newest", bucket()
+    names = ["checkpoint-0003-000000000.pt", "checkpoint-0002-000000000/.metadata", "checkpoint-0002-000000128.pt"]
+    names += ["checkpoint-0001-000000000/__0_0.distcp", "checkpoint-0004-000000000.pt.tmp"]
+    for name in names:
+        fs.pipe_file(f"{folder}/{name}", b"written")
+        time.sleep(0.01)
+    order = ["checkpoint-0003-000000000.pt", "checkpoint-0002-000000000", "checkpoint-0002-000000128.pt"]
+    assert tt.checkpoints(folder) == [f"{folder}/{name}" for name in order]
+    settings = dict(checkpoint="checkpoint-0002-000000128.pt", settings=dict(lr=0.2))
+    fs.pipe_file(f"{folder}/settings.json", json.dumps(settings).encode())
+    assert tt.find_checkpoint(folder) == f"{folder}/checkpoint-0002-000000128.pt" and tt.saved_settings(folder) == {
+        "lr": 0.2
+    }
+
+
+def test_a_bucket_that_is_not_there_nothing_to_resume_and_no_gcsfs_exit_2_in_one_line(gcs, capsys, monkeypatch):
+    def refused(*argv):
+        assert tt.main(["--cores", 1, "--data", "synthetic", *argv]) == 2
+        return capsys.readouterr().err
+
+    line = "train_tpu.py: error: --out-dir gs://no-bucket/run: no such bucket, or no access to it\n"
+    assert refused("--out-dir", "gs://no-bucket/run") == line
+    assert (
+        refused("--resume", "gs://bucket/empty")
+        == "train_tpu.py: error: --resume gs://bucket/empty: no checkpoint there\n"
+    )
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # gcsfs not installed: fsspec cannot import it
+    monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "gs", raising=False)
+    line = "train_tpu.py: error: gs://bucket/run: Please install gcsfs to access Google Storage\n"
+    assert refused("--out-dir", "gs://bucket/run") == line
 
 
 def test_a_dcp_checkpoint_read_back_keeps_the_momentum(runs):
@@ -2150,8 +2245,8 @@ def test_healthy_ends_in_every_world_show_no_abort_and_every_run_has_a_port_of_i
 
 def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(runs):
     """A save every N steps never lands on the epoch's last step (the epoch's end saves): --resume would refuse it."""
-    for folder, devices in (("base", 1), ("stop-SIGTERM", 1), ("pod-stop", 4), ("two-killed", 2)):
-        for path in tt.checkpoints(str(runs["root"] / folder)):
+    for folder, devices in (("base", 1), ("stop-SIGTERM", 1), ("gs://bucket/pod-stop", 4), ("two-killed", 2)):
+        for path in tt.checkpoints(folder if tt.is_url(folder) else str(runs["root"] / folder)):
             ckpt = tt.load_checkpoint(path)
             steps, rest = divmod(ckpt["samples"], ckpt["settings"]["batch_size"] * devices)
             assert rest == 0 and steps < ckpt["settings"]["steps_per_epoch"], path
@@ -2295,7 +2390,7 @@ def stock(root):
     """The stock copy in two replica processes: --smoke; then its last checkpoint, at the epoch's end, resumed with one
     core: it trains nothing, and checks that the BatchNorm statistics saved give the test loss saved with them."""
     folder = two_edits(root / "stock", STOCK_DATA, STOCK_MODEL)
-    smoke = world(folder, "processes", "--smoke", *STOCK, "--out-dir", "procs", timeout=240)
+    smoke = world(folder, "processes", "--smoke", *STOCK, "--out-dir", "procs", timeout=400)  # (the heaviest run)
     return smoke, cli("--resume", "procs", "--cores", 1, cwd=folder, file=folder / "train_tpu.py")
 
 
@@ -2771,7 +2866,12 @@ def test_the_deadline_names_a_replica_process_whose_runtime_never_started(tmp_pa
 
 
 # ---- a pod slice: two hosts, a launcher and a replica process each (on_slice()) -------------------------------------
-def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000128.pt",), results=None):
+def text(path):  # a file's, or a bucket's object's
+    with tt.store(str(path)).open(str(path)) as f:
+        return f.read().decode()
+
+
+def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000128.pt",), results=None, folder=None):
     """Both hosts exited `code` with `line` last (the first end, which each host notes in the run folder), within 60 s
     of the fault (the coordination service ends the other host's), with no process of theirs left; the checkpoints
     saved before stay."""
@@ -2780,8 +2880,8 @@ def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000128.pt",), re
     for k, ((got, out, err, left, _), ended) in enumerate(results):
         assert (got, last_line_of(err)) == (code, f"train_tpu.py: {line}"), (k, out[-2000:] + err[-3000:])
         assert not left and ended - fault < 60, (k, left, ended - fault)
-        assert (runs["root"] / name / f"log-host-{k}.txt").read_text().splitlines()[-1] == f"train_tpu.py: {line}"
-    assert [os.path.basename(p) for p in tt.checkpoints(str(runs["root"] / name))] == list(kept)
+        assert text(f"{folder or runs['root'] / name}/log-host-{k}.txt").splitlines()[-1] == f"train_tpu.py: {line}"
+    assert [os.path.basename(p) for p in tt.checkpoints(str(folder or runs["root"] / name))] == list(kept)
 
 
 def test_a_replica_killed_on_one_host_of_a_slice_under_smoke_ends_every_host_with_one_verdict_naming_it(runs):
@@ -2861,7 +2961,8 @@ def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_w
     within 3 steps, in the grace; the master wrote 2 s late. --resume on every host trains on exactly, until replica 1
     (host 1) raises after the checkpoint of epoch 3 step 4, which ends every host."""
     stopped, saved, step, stop, resumed = runs["pod_stop"]
-    line = f"train_tpu.py: stopped by SIGTERM at epoch 2 step {step}, checkpoint saved: continue with --resume pod-stop"
+    folder = "gs://bucket/pod-stop"
+    line = f"train_tpu.py: stopped by SIGTERM at epoch 2 step {step}, checkpoint saved: continue with --resume {folder}"
     assert stopped[0][0][4] < tt.STOP_GRACE  # host 0's launcher, from the signal to its exit
     for k, ((code, out, err, left, _), _) in enumerate(stopped):
         assert code == 143 and not left and line in err.splitlines(), (k, err[-3000:])
@@ -2870,19 +2971,20 @@ def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_w
         assert "WORLD replica process 0: libtpu started, SIGTERM caught 1, by the handler set before" in out
         assert "preemption_notifier.cc" in err and "SIGTERM caught" in err
     assert f"checkpoint-0002-{step * 32:09d}.pt" in saved and 3 <= step <= 3 + 3, saved  # written 2 s after the others
-    log = (runs["root"] / "pod-stop" / "log.txt").read_text().split("CPU | ")[1]  # every line: the tee died with it
+    log = text(f"{folder}/log.txt").split("CPU | ")[1]  # every line, copied to the bucket: the tee died with it
     assert f"epoch 2 step {step}/6 |" in log and f"epoch 2 step {step + 1}/6 |" not in log
     for k in (0, 1):  # each launcher's last line, in its host's log
-        assert (runs["root"] / "pod-stop" / f"log-host-{k}.txt").read_text().splitlines()[0] == line
+        assert text(f"{folder}/log-host-{k}.txt").splitlines()[0] == line
     assert "2 devices, a replica each | global batch 32" in stopped[0][0][1]
     model, optimizer, _ = eager_two_replicas([(1, 6), (2, step)])
     same_weights(stop, model, optimizer)
     failed = (
         f"host 1 (vm): replica 1: failed: RuntimeError: bad chip (at {raised_at(POD_FAULT, 'HOW')}; traceback above)"
     )
-    pod_ended(runs, "pod-stop", 1, failed, ["checkpoint-0003-000000000.pt", "checkpoint-0003-000000128.pt"], resumed)
+    kept = ["checkpoint-0003-000000000.pt", "checkpoint-0003-000000128.pt"]
+    pod_ended(runs, "pod-stop", 1, failed, kept, resumed, folder=folder)  # the first end, by the bucket's clock
     model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6), (3, 4)])
-    saved = final(runs["root"] / "pod-stop")
+    saved = final(folder)
     same_weights(saved, model, optimizer)
     assert [(h["epoch"], h["step"]) for h in saved["history"]] == [(e, s) for e in (1, 2, 3) for s in range(1, 7)][:16]
     assert [h["loss"] for h in saved["history"]] == pytest.approx(losses, abs=1e-5)  # each step once, replica 0's
@@ -2890,3 +2992,6 @@ def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_w
     assert saved["test_loss"] == pytest.approx(loss, abs=1e-5)  # over every replica's share of the test set
     epoch_2 = eager_test(eager_two_replicas([(1, 6), (2, 6)])[0], tt.parse_args(list(map(str, WORLD_RUN))))
     assert f"epoch 2 done | test loss {epoch_2[0]:.4f} | accuracy {epoch_2[1]:.2f}% (2,000 samples)" in resumed[0][0][1]
+    checkpoints = {path: pids for path, pids in writes(runs, "pod-stop").items() if path.startswith("checkpoint-")}
+    assert f"checkpoint-0002-{step * 32:09d}.pt" in checkpoints  # each written by one process: each launch's master
+    assert all(len(pids) == 1 for pids in checkpoints.values()) and len(set.union(*checkpoints.values())) == 2

@@ -45,6 +45,7 @@ import time
 import traceback
 import warnings
 
+import fsspec
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
@@ -320,19 +321,22 @@ def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once
 
 def main(argv=None):
     out_dir, log = None, "log.txt"  # the run folder, whose log keeps the last line too (a slice: a log per host)
+    code, line, started = 0, None, time.time()
     try:
         args = parse_args(argv)
         kind, out_dir, host, hosts = prepare(args)
         log = f"log-host-{host}.txt" if hosts > 1 else log
         launch(args, kind, out_dir, host, hosts)
-        return 0
     except Exit as e:
         code, line = e.code, e.line
     except KeyboardInterrupt:
         code, line = 130, "interrupted"
     except Exception as e:
         code, line = 1, report_bug(e)
-    tell(out_dir, f"train_tpu.py: {line}", sys.stderr, log)
+    if line is not None:
+        tell(out_dir, f"train_tpu.py: {line}", sys.stderr, log)
+    if out_dir is not None:
+        upload_logs(out_dir, started)  # (a bucket's run folder)
     return code
 
 
@@ -478,12 +482,6 @@ RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). N
 def check_flags(p, args):
     if args.smoke and args.resume:
         p.error("--smoke checks a fresh run: leave out --resume")
-    for name in ("out_dir", "resume"):  # os.path would take gs://b/run for a local folder named gs:/b/run
-        if "://" in (getattr(args, name) or ""):
-            why = (
-                "a storage URL, which this trainer cannot write yet: give a folder; on a spot VM, on a persistent disk"
-            )
-            p.error(f"argument --{name.replace('_', '-')}: {getattr(args, name)} is {why}")
     for names, rule, ok in RANGES:
         for name in names:
             value = getattr(args, name)
@@ -545,17 +543,28 @@ def this_host(kind):  # (this host's worker number, the slice's hosts): from the
 
 def prepare_out_dir(args, hosts):
     """Makes the run folder. Every host does: ordinal 0, which writes, need not be on host 0 (torch_xla/runtime.py)."""
-    resumed = os.path.dirname(os.path.abspath(find_checkpoint(args.resume))) if args.resume else None
+    resumed = absolute(os.path.dirname(find_checkpoint(args.resume))) if args.resume else None
     if args.out_dir is None and hosts > 1 and resumed is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
-    if os.path.isdir(out_dir) and checkpoints(out_dir) and resumed != os.path.abspath(out_dir):
-        raise Exit(2, f"error: --out-dir {out_dir} holds a run: continue it with --resume, or name another folder")
+    fs = store(out_dir)
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        if is_url(out_dir) and not fs.exists(fs._strip_protocol(out_dir).split("/")[0]):
+            raise Exit(2, f"error: --out-dir {out_dir}: no such bucket, or no access to it")
+        # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
+        if fs.isdir(out_dir) and checkpoints(out_dir) and resumed != absolute(out_dir):
+            raise Exit(2, f"error: --out-dir {out_dir} holds a run: continue it with --resume, or name another folder")
+        os.makedirs(log_folder(out_dir), exist_ok=True)
+        if is_url(out_dir):  # A resume on a new VM goes on with the logs that the bucket keeps.
+            for log in fs.glob(f"{out_dir}/log*.txt"):
+                if not os.path.exists(local := os.path.join(log_folder(out_dir), os.path.basename(log))):
+                    fs.get(log, local)
     except OSError as e:
         raise Exit(2, f"error: --out-dir {out_dir}: cannot make it ({e.strerror})") from e
+    except Exit:
+        raise
+    except Exception as e:  # gcsfs's: no credentials, say
+        raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
     return out_dir
 
 
@@ -700,7 +709,7 @@ class Log:
             except ImportError:
                 run.say("tensorboard | not installed: no scalars written (pip install tensorboard)")
             else:
-                self.board = SummaryWriter(run.out_dir)
+                self.board = SummaryWriter(log_folder(run.out_dir))
 
     def start_epoch(self, epoch, skip):
         self.epoch = epoch
@@ -817,25 +826,75 @@ def save(run, *, next_epoch, steps_done, test=None):
         "settings": settings(run.args),
         "rng": xm.get_rng_state(run.device),  # read on the host: the seed of the next step's random ops, dropout's
     }
-    path = os.path.join(run.out_dir, f"checkpoint-{next_epoch:04d}-{samples:09d}")
+    name = f"checkpoint-{next_epoch:04d}-{samples:09d}" + (".pt" if run.mesh is None else "")
+    path = f"{run.out_dir}/{name}"
+    # Written whole on this machine first, as NAME.tmp in the run folder (a bucket's: in its folder of logs here).
+    written = os.path.join(log_folder(run.out_dir), name + ".tmp")
     if run.mesh is None:
-        path += ".pt"
-        xm.save(ckpt, path + ".tmp", master_only=True, global_master=True)  # Only the global master writes.
+        xm.save(ckpt, written, master_only=True, global_master=True)  # Only the global master writes.
     else:
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        shutil.rmtree(written, ignore_errors=True)
         with quietly():  # DCP warns that no process group is set: this one process is the whole run.
-            dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(path + ".tmp"), planner=xc.SPMDSavePlanner())
-        shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
+            dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
     if run.master:
-        os.replace(path + ".tmp", path)  # A kill mid-write, or before this line, leaves the last whole checkpoints.
-        named = {"checkpoint": os.path.basename(path), "settings": ckpt["settings"]}  # and whose they are
-        write_json(os.path.join(run.out_dir, "settings.json"), named)
+        if is_url(run.out_dir):
+            upload(written, path)
+        else:  # A kill mid-write, or before this line, leaves the last whole checkpoints.
+            shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
+            os.replace(written, path)
+        named = {"checkpoint": name, "settings": ckpt["settings"]}  # and whose they are
+        write_json(f"{run.out_dir}/settings.json", named)
         for old in checkpoints(run.out_dir)[:-KEEP_CHECKPOINTS]:
-            if os.path.isdir(old):
-                shutil.rmtree(old)
-            else:
-                os.remove(old)
+            store(old).rm(old, recursive=True)
+        upload_logs(run.out_dir, run.control.launched)
     return path
+
+
+# ---- the run folder: on this machine's disk, or in a Cloud Storage bucket -------------------------------------------
+# A spot or preemptible TPU VM is deleted when preempted, its disk too: --out-dir gs://BUCKET/RUN keeps the run. Its
+# checkpoints and settings.json go there through fsspec (gcsfs); its logs, as GCS objects cannot be appended to, are
+# written here in runs/gs/BUCKET/RUN and copied there at each checkpoint and at the end. Other fsspec URLs: untested.
+def is_url(path):
+    return "://" in str(path)
+
+
+def store(path):  # fsspec's file system for a path: the local disk's, or gcsfs's for gs://
+    try:  # No cache of listings: other processes and hosts write in the same folder.
+        return fsspec.core.url_to_fs(path, use_listings_cache=False)[0]
+    except ImportError as e:  # (fsspec's message names the package)
+        raise Exit(2, f"error: {path}: {first_line(e).strip()}") from e
+
+
+def absolute(path):
+    return path if is_url(path) else os.path.abspath(path)
+
+
+def log_folder(out_dir):  # where this machine writes the run's logs
+    return os.path.join("runs", out_dir.replace("://", "/", 1)) if is_url(out_dir) else out_dir
+
+
+def upload(written, path):
+    """Puts a checkpoint written here into the bucket under its name: an object appears whole or not at all, and a DCP
+    folder counts once its .metadata is there, which goes last."""
+    fs = store(path)
+    if os.path.isdir(written):
+        names = sorted(os.listdir(written), key=lambda n: n == ".metadata")
+        fs.put([f"{written}/{n}" for n in names[:-1]], [f"{path}/{n}" for n in names[:-1]])
+        fs.put_file(f"{written}/{names[-1]}", f"{path}/{names[-1]}")
+        shutil.rmtree(written)
+    else:
+        fs.put_file(written, path)
+        os.remove(written)
+
+
+def upload_logs(out_dir, since):
+    """Copies the logs that this machine wrote since `since` (a time) into the bucket, whole."""
+    if not is_url(out_dir):
+        return
+    folder = log_folder(out_dir)
+    names = [n for n in os.listdir(folder) if not n.endswith(".tmp") and os.path.getmtime(f"{folder}/{n}") >= since]
+    with contextlib.suppress(Exception):  # A copy of the logs: a failure here must not end the run.
+        store(out_dir).put([f"{folder}/{n}" for n in names], [f"{out_dir}/{n}" for n in names])
 
 
 def settings(args):  # what a resume takes of this run's flags
@@ -843,24 +902,29 @@ def settings(args):  # what a resume takes of this run's flags
 
 
 def checkpoints(folder):
-    """A run folder's whole checkpoints, the newest last: no *.tmp (being written), no DCP folder without .metadata."""
-    names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and not n.endswith(".tmp")]
-    paths = [os.path.join(folder, n) for n in names]
-    paths = [p for p in paths if p.endswith(".pt") or os.path.exists(os.path.join(p, ".metadata"))]
-    # Newest by write time, not by name: a run resumed from an older checkpoint goes on in the same folder. One that the
-    # master deletes meanwhile (the launcher's look for --save-minutes can come then) is left out.
+    """A run folder's whole checkpoints, the newest last: no *.tmp (being written), no DCP folder without .metadata
+    (written last)."""
+    fs = store(folder)
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
+    paths = [f"{folder}/{n}" for n in names if n.startswith("checkpoint-") and not n.endswith(".tmp")]
+    # Newest by the store's write time, not by name: a run resumed from an older checkpoint goes on in the same folder.
+    # One that the master deletes meanwhile (the launcher's look for --save-minutes can come then) is left out.
     written = {}
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
-            written[path] = os.path.getmtime(path)
+            written[path] = fs.modified(path if path.endswith(".pt") else f"{path}/.metadata")
     return sorted(written, key=lambda p: (written[p], p))
 
 
 def find_checkpoint(path):
     """What --resume PATH names: a checkpoint, or the newest in a run folder."""
-    if os.path.isfile(path) or os.path.exists(os.path.join(path, ".metadata")):
-        return path
-    found = checkpoints(path) if os.path.isdir(path) else []
+    fs = store(path)
+    try:
+        if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
+            return path
+        found = checkpoints(path) if fs.isdir(path) else []
+    except Exception as e:  # gcsfs's: no credentials, say
+        raise Exit(2, f"error: --resume {path}: {type(e).__name__}: {first_line(e)}") from e
     if not found:
         raise Exit(2, f"error: --resume {path}: no checkpoint there")
     return found[-1]
@@ -870,7 +934,7 @@ def saved_settings(path):
     """The settings saved with --resume PATH: settings.json beside it if it names it (no loading), else its own."""
     ckpt = find_checkpoint(path)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
-        saved = read_json(os.path.join(os.path.dirname(ckpt), "settings.json"))
+        saved = read_json(f"{os.path.dirname(ckpt)}/settings.json")
         if saved["checkpoint"] == os.path.basename(ckpt):
             return dict(saved["settings"])
     return load_checkpoint(ckpt)["settings"]
@@ -878,15 +942,19 @@ def saved_settings(path):
 
 def load_checkpoint(path):
     """Reads a checkpoint in either format as the one dict that torch.load gives for a file."""
+    fs = store(path)
     try:
-        if os.path.isdir(path):
+        if fs.isdir(path):
             with tempfile.TemporaryDirectory() as tmp, quietly():
-                dcp_to_torch_save(path, os.path.join(tmp, "c.pt"))
-                ckpt = torch.load(os.path.join(tmp, "c.pt"), weights_only=True)
+                if is_url(path):  # (a bucket's, fetched first)
+                    fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
+                dcp_to_torch_save(f"{tmp}/dcp" if is_url(path) else path, f"{tmp}/c.pt")
+                ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
             # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
             ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
         else:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            with fs.open(path, "rb") as f:
+                ckpt = torch.load(f, map_location="cpu", weights_only=True)
         if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings", "rng"} <= ckpt.keys():
             raise KeyError("not the keys of a train_tpu.py checkpoint")
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
@@ -927,7 +995,7 @@ def resume(run):
     # Every torch_xla.sync() moves the device's RNG on, the evaluation's in verify() too: set now, dropout goes on with
     # the masks it would have drawn.
     xm.set_rng_state(ckpt["rng"], run.device)
-    if os.path.isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
+    if store(path).isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
         converted = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
         run.say(f"resume | converted, saved as {converted}")
     run.say(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
@@ -1020,7 +1088,7 @@ class Control:
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
         keep = ("args", "out_dir", "folder", "host", "hosts", "in_process", "joined", "highest", "stop_step", "port")
-        keep += ("from_python",)
+        keep += ("from_python", "launched")
         return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, signum=0)
 
     def __setstate__(self, state):
@@ -1090,7 +1158,7 @@ class Control:
         os.environ["TRAIN_TPU_LAUNCHER"] = str(os.getpid())  # how a replica process knows its launcher at import
         os.environ["TRAIN_TPU_CONTROL"] = self.folder  # and where to report an error before _mp_fn runs
         with contextlib.suppress(FileNotFoundError):  # this host's end of an earlier launch
-            os.remove(os.path.join(self.out_dir, f"ended-host-{self.host}"))
+            store(self.out_dir).rm(f"{self.out_dir}/ended-host-{self.host}")
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():  # Python takes signals in its main thread only.
             self.handlers = {s: signal.signal(s, self.on_signal) for s in stop_signals()}
@@ -1196,10 +1264,11 @@ class Control:
         else:  # A replica in this process cannot be killed: the process prints the line and exits.
             shutil.rmtree(self.folder, ignore_errors=True)
             tell(self.out_dir, f"train_tpu.py: {ended.line}", sys.stderr)
+            upload_logs(self.out_dir, self.launched)
             os._exit(ended.code)
 
     def deadline_passed(self, replicas):  # The replicas furthest behind FAIL: the others wait for them in a collective.
-        verdict = os.path.join(self.out_dir, "verdict.json")
+        verdict = os.path.join(log_folder(self.out_dir), "verdict.json")
         if replicas and {stage for _, stage, *_ in replicas.values()} <= {"done", "ended"} and os.path.exists(verdict):
             code = 0 if read_json(verdict)["passed"] else 5  # The verdict is out; a join or a teardown hangs.
             return self.conclude(Exit(code, "the replica processes outlived --smoke-timeout after the verdict: killed"))
@@ -1228,7 +1297,7 @@ class Control:
                 checks = []  # the master's checks so far, and this row
                 if first:
                     with contextlib.suppress(FileNotFoundError):
-                        checks = read_json(os.path.join(self.out_dir, "checks.json"))
+                        checks = read_json(os.path.join(log_folder(self.out_dir), "checks.json"))
                     publish(self.out_dir, [*checks, dict(name=stage, passed=False, figure=figure)])
                 self.verdict = Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
             return self.verdict
@@ -1237,15 +1306,17 @@ class Control:
         """This host's end, named, in OUT/ended-host-K; then the first of this launch's: (Exit, stage, whether ours)."""
         prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
         line = f"{prefix}host {self.host} ({os.uname().nodename}): {ended.line.removeprefix(prefix)}"
-        mine = os.path.join(self.out_dir, f"ended-host-{self.host}")
+        mine = f"{self.out_dir}/ended-host-{self.host}"
         write_json(mine, dict(code=ended.code, line=line, stage=stage))
         time.sleep(1)  # Another host may end at the same moment: the earlier end is the run's, on every host.
-        ends = [(os.path.getmtime(mine), False, read_json(mine))]  # this host's, whatever the clocks say
-        for name in os.listdir(self.out_dir):
-            path = os.path.join(self.out_dir, name)
+        fs = store(self.out_dir)  # Its times are the store's clock: a bucket's, or the shared folder's.
+        ends = [(fs.modified(mine).timestamp(), False, read_json(mine))]  # this host's, whatever the clocks say
+        for name in [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.out_dir, detail=False)]:
+            path = f"{self.out_dir}/{name}"
             with contextlib.suppress(OSError, ValueError):  # another host's, of this launch
-                if name.startswith("ended-host-") and path != mine and os.path.getmtime(path) >= self.launched - 1:
-                    ends.append((os.path.getmtime(path), True, read_json(path)))
+                written = fs.modified(path).timestamp() if name.startswith("ended-host-") else 0
+                if path != mine and written >= self.launched - 1:
+                    ends.append((written, True, read_json(path)))
         _, theirs, end = min(ends, key=lambda e: e[:2])
         return Exit(end["code"], end["line"]), end["stage"], not theirs
 
@@ -1343,7 +1414,9 @@ def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (Non
     passed, figure = check(run)
     run.checks.append(dict(name=name, passed=passed, figure=figure))
     if run.master:
-        write_json(os.path.join(run.out_dir, "checks.json"), run.checks)  # for a verdict that a launcher writes
+        write_json(
+            os.path.join(log_folder(run.out_dir), "checks.json"), run.checks
+        )  # for a verdict that a launcher writes
 
 
 def check_devices(run):
@@ -1617,7 +1690,7 @@ def publish(out_dir, checks):
     passed = all(c["passed"] is not False for c in checks)
     rows = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in checks]
     tell(out_dir, "\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]))
-    write_json(os.path.join(out_dir, "verdict.json"), {"passed": passed, "checks": checks})
+    write_json(os.path.join(log_folder(out_dir), "verdict.json"), {"passed": passed, "checks": checks})
 
 
 # ---- small helpers ---------------------------------------------------------------------------------------------------
@@ -1636,16 +1709,18 @@ def tell(out_dir, line, stream=None, log="log.txt"):  # Prints a line, and keeps
     with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
         print(line, file=stream or sys.stdout, flush=True)
     if out_dir is not None:
-        with contextlib.suppress(OSError), open(os.path.join(out_dir, log), "a") as f:  # (a full disk, say)
+        with contextlib.suppress(OSError), open(os.path.join(log_folder(out_dir), log), "a") as f:  # (a full disk)
             f.write(line + "\n")
 
 
 def read_json(path):
-    with open(path) as f:
+    with store(path).open(path) as f:
         return json.load(f)
 
 
 def write_json(path, data):  # Whole or not at all, as another process may read it at any moment.
+    if is_url(path):  # (an object is)
+        return store(path).pipe_file(path, json.dumps(data, indent=1).encode())
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # its own, should two threads write one file at once
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -1670,13 +1745,15 @@ def synthetic_digits(n, seed):
 def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict; never ends the process."""
-    args = parse_args(argv)
+    args, started = parse_args(argv), time.time()
     kind, out_dir, host, hosts = prepare(args)
     try:
         launch(args, kind, out_dir, host, hosts, from_python=True)
     except Exit as e:
         if e.code not in (0, 5):  # (0: the smoke deadline passed after a PASS verdict)
             raise
+    finally:
+        upload_logs(out_dir, started)
     found = checkpoints(out_dir)  # none if a smoke deadline passed before the first
     r = argparse.Namespace(model=None, history=[], epochs=[], verdict=None, out_dir=out_dir)
     if found:
@@ -1685,7 +1762,7 @@ def fit(*argv):
         r.model.load_state_dict(ckpt["model"])
         r.history, r.epochs = ckpt["history"], ckpt["epochs"]
     if args.smoke:
-        r.verdict = read_json(os.path.join(out_dir, "verdict.json"))
+        r.verdict = read_json(os.path.join(log_folder(out_dir), "verdict.json"))
     return r
 
 
