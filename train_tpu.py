@@ -321,10 +321,11 @@ def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once
 
 def main(argv=None):
     out_dir, log = None, "log.txt"  # the run folder, whose log keeps the last line too (a slice: a log per host)
-    code, line, started = 0, None, time.time()
+    code, line = 0, None
     try:
         args = parse_args(argv)
         kind, out_dir, host, hosts = prepare(args)
+        started = time.time()  # A bucket's run folder gets the logs written here from now: not those fetched.
         log = f"log-host-{host}.txt" if hosts > 1 else log
         launch(args, kind, out_dir, host, hosts)
     except Exit as e:
@@ -1745,8 +1746,9 @@ def synthetic_digits(n, seed):
 def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict; never ends the process."""
-    args, started = parse_args(argv), time.time()
+    args = parse_args(argv)
     kind, out_dir, host, hosts = prepare(args)
+    started = time.time()
     try:
         launch(args, kind, out_dir, host, hosts, from_python=True)
     except Exit as e:
