@@ -1055,15 +1055,27 @@ def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
     assert err.count("\n") == 1 and err.startswith("train_tpu.py: error: ") and words in err, err
 
 
-def test_the_smoke_on_data_your_model_cannot_take_exits_2_in_one_line_before_any_device_starts(tmp_path, monkeypatch):
-    """The natural edit for CIFAR-10: a 3-channel model, and the synthetic branch (--smoke's) left at 1 x 28 x 28."""
-    monkeypatch.setattr(
-        tt, "build_model", lambda args: torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten())
+def test_the_smoke_shapes_its_digits_for_a_colour_model_and_exits_2_in_one_line_for_one_that_cannot_take_them(
+    tmp_path, monkeypatch
+):
+    """The natural edit for CIFAR-10 keeps the synthetic branch (--smoke's) at 1 x 28 x 28: a model whose first
+    convolution takes 3 channels gets them repeated 3 times; a model that takes 3 x 32 x 32 flattened cannot, before
+    any device starts."""
+    colour = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten())
+    monkeypatch.setattr(tt, "build_model", lambda args: colour)
+    args = tt.parse_args(["--smoke", "--cores", 1, "--out-dir", tmp_path / "run"])
+    tt.prepare(args)
+    digits = tt.dataset(args, train=False)
+    shaped = tt.smoke_shaped(colour, digits).tensors[0]
+    assert shaped.shape == (2000, 3, 28, 28) and all(
+        torch.equal(shaped[:, c], digits.tensors[0][:, 0]) for c in range(3)
     )
+    flat = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    monkeypatch.setattr(tt, "build_model", lambda args: flat)
     with pytest.raises(tt.Exit) as e:
-        tt.prepare(tt.parse_args(["--smoke", "--cores", 1, "--out-dir", tmp_path / "run"]))
+        tt.prepare(tt.parse_args(["--smoke", "--cores", 1, "--out-dir", tmp_path / "flat"]))
     assert e.value.code == 2 and e.value.line.startswith(
-        "error: --smoke: Sequential cannot take --data synthetic's inputs (1 x 1 x 28 x 28): Given groups=1, weight of"
+        "error: --smoke: Sequential cannot take --data synthetic's inputs (1 x 1 x 28 x 28): mat1 and mat2 shapes"
     )
     assert e.value.line.endswith(": give --smoke the --data of your dataset") and "\n" not in e.value.line
 
@@ -1948,6 +1960,11 @@ try:
 except tt.Exit as e:
     print("RAISED", e.code, e.line, flush=True)
 print("ALIVE", flush=True)
+import torch.nn as nn  # the natural edit for colour images: the first convolution takes 3 channels
+colour = [nn.Conv2d(3, 10, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1440, 10)]
+tt.build_model = lambda args: nn.Sequential(*colour)
+r = tt.fit("--smoke", "--cores", 1, "--steps-per-epoch", 20, "--out-dir", "fit-colour")
+print("COLOUR", json.dumps(r.verdict), flush=True)
 """
 
 
@@ -1959,6 +1976,14 @@ def test_every_end_of_fit_is_an_exception_in_the_callers_process_which_goes_on(r
         "RAISED 143 stopped by SIGTERM: a step (or its compilation) takes longer than the 1 s grace: nothing saved",
         "ALIVE",
     ], r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_the_smoke_of_a_colour_model_trains_on_its_digits_repeated_over_3_channels_and_passes(runs):
+    """--smoke after the natural edit for colour images (as CIFAR-10's), through fit() with --cores 1."""
+    verdict = json.loads(ok(runs["fit"]).stdout.split("\nCOLOUR ")[1].splitlines()[0])
+    assert verdict["passed"] and [c["passed"] for c in verdict["checks"]] == [None] + [True] * 5 + [None] * 2
+    learning = verdict["checks"][5]["figure"]
+    assert float(re.search(r"-> (\S+)% \(target 90%\)$", learning).group(1)) >= 90
 
 
 def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(runs):

@@ -267,7 +267,7 @@ def train(run):  # One replica's run: the model, the data, then the epochs.
     broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
     data, test = dataset(args, train=True), dataset(args, train=False)
     if args.smoke:
-        data = smoke_training_set(run, data)
+        data, test = smoke_training_set(run, smoke_shaped(run.model, data)), smoke_shaped(run.model, test)
     shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
     run.test = loader(run, test, range(run.rank, len(test), run.world))  # every world-th sample: each counts once
     run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
@@ -457,7 +457,7 @@ def prepare(args):
     if args.layerdrop != "off" and not hooks:
         raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
     if args.smoke:  # A model that cannot take the smoke's data would end it in a traceback that says nothing of the VM.
-        x = default_collate([test[0]])[0]
+        x = default_collate([smoke_shaped(model, test)[0]])[0]
         try:
             with torch.no_grad():
                 model.eval()(model_input(x))
@@ -1396,6 +1396,16 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
     failed = [c["name"] for c in run.checks if c["passed"] is False]
     if failed:
         raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
+
+
+def smoke_shaped(model, data):
+    """--smoke's synthetic digits, repeated over as many channels as your model's first convolution takes (3, say, for
+    a model of colour images). Your own data is read as it is."""
+    conv = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    if getattr(data, "smoke_target", None) is None or conv is None or conv.in_channels == data.tensors[0].shape[1]:
+        return data
+    images, labels = data.tensors
+    return InMemory(images.expand(-1, conv.in_channels, -1, -1), labels, smoke_target=data.smoke_target)
 
 
 def smoke_training_set(run, data):
