@@ -1960,9 +1960,10 @@ try:
 except tt.Exit as e:
     print("RAISED", e.code, e.line, flush=True)
 print("ALIVE", flush=True)
-import torch.nn as nn  # the natural edit for colour images: the first convolution takes 3 channels
-colour = [nn.Conv2d(3, 10, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1440, 10)]
-tt.build_model = lambda args: nn.Sequential(*colour)
+import torch.nn as nn
+def colour(args):  # the natural edit for colour images: the first convolution takes 3 channels
+    return nn.Sequential(nn.Conv2d(3, 10, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1440, 10))
+tt.build_model = colour
 r = tt.fit("--smoke", "--cores", 1, "--steps-per-epoch", 20, "--out-dir", "fit-colour")
 print("COLOUR", json.dumps(r.verdict), flush=True)
 """
