@@ -1680,7 +1680,7 @@ POINTS_AT = dict(  # what a FAIL of each check says about, and the first thing t
     numerics="the run: your model computes another function under XLA than in eager PyTorch",
     checkpoint="the VM's disk, or the run folder's storage",
     compilation="the run: its graph changes from step to step (see --max-recompiles)",
-    learning="the run's settings (--lr, the optimizer, the steps), unless every other check FAILs too",
+    learning="the run's settings (--lr, build_optimizer's optimizer and schedule, the steps), unless all else FAILs",
     collectives="the chips or their links: an all-reduce summed wrong",
     replicas="the chip of the replica named, or a model that traces other programs on some replica",
 )
