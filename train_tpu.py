@@ -177,8 +177,8 @@ def build_model(args):
 # ---- optimizer and learning-rate schedule: your own goes here (edit 3 of 3) ------------------------------------------
 def build_optimizer(args, model, steps):
     """The optimizer, and the schedule that sets its learning rate, stepped after each of the run's `steps`: any
-    torch.optim.lr_scheduler, whose state each checkpoint keeps. Here SGD at a constant --lr: with a warm-up and a
-    cosine decay, the smoke test's ToyModel reached 86% in 40 steps, where a constant lr reached its 90%."""
+    torch.optim.lr_scheduler, whose state each checkpoint keeps. Here SGD at a constant --lr: a warm-up and a cosine
+    decay to 0 over --smoke's 80 steps cut the learning of the tests' BatchNorm copy to 33% (FAIL on a slice)."""
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
