@@ -1323,12 +1323,13 @@ def test_the_smoke_deadline_fails_the_replica_furthest_behind_and_after_the_verd
 ):
     ended = []
     monkeypatch.setattr(tt.Control, "end", lambda control, e: ended.append(e))  # (the real one ends this process)
-    with tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 0.1]), str(tmp_path)) as control:
-        control.devices.update({0: 0, 1: 1})  # (as start_replica sets them)
-        for stage in ("setup", "devices", "training"):
-            control.set_stage(0, stage)
-        control.set_stage(1, "setup")
-        control.set_stage(1, "devices")  # replica 1 is stuck there; 0 waits for it in a collective
+    control = tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 0.1]), str(tmp_path))
+    control.devices.update({0: 0, 1: 1})  # (as start_replica sets them)
+    for stage in ("setup", "devices", "training"):  # (before the deadline starts: a loaded machine writes slowly)
+        control.set_stage(0, stage)
+    control.set_stage(1, "setup")
+    control.set_stage(1, "devices")  # replica 1 is stuck there; 0 waits for it in a collective
+    with control:
         time.sleep(1.2)  # the watch looks every half second
     stuck = "replica 1 did not finish devices within --smoke-timeout 0.1 s"
     assert (ended[0].code, ended[0].line) == (5, f"failed: smoke verdict FAIL: devices: {stuck}")
@@ -1336,10 +1337,11 @@ def test_the_smoke_deadline_fails_the_replica_furthest_behind_and_after_the_verd
         dict(name="devices", passed=False, figure=stuck)
     ]
     tt.publish(str(tmp_path), [dict(name="learning", passed=True, figure="f")])
-    with tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 0.1]), str(tmp_path)) as control:
-        ended.clear()  # (the first watch, on a loaded machine, may look once more as it closes)
-        control.set_stage(0, "done")
-        control.set_stage(1, "ended")  # the verdict is out, and the pool's join or the runtime's teardown hangs
+    control = tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 0.1]), str(tmp_path))
+    control.set_stage(0, "done")
+    control.set_stage(1, "ended")  # the verdict is out, and the pool's join or the runtime's teardown hangs
+    ended.clear()  # (the first watch, on a loaded machine, may look once more as it closes)
+    with control:
         time.sleep(1.2)
     assert (ended[-1].code, ended[-1].line) == (
         0,
