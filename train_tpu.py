@@ -95,7 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {smoke}")
     p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
-    p.add_argument("--out-dir", help="the run folder; if not given, runs/<time>, or the resumed run's")
+    p.add_argument(
+        "--out-dir", help="the run folder, or gs://BUCKET/RUN; if not given, runs/<time>, or the resumed run's"
+    )
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
     p.add_argument("--save-minutes", type=float, default=10.0, help="also checkpoint after M minutes with none; 0: off")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
@@ -1551,10 +1553,12 @@ def check_compilation(run):
 def check_learning(run):
     """On any data: at some epoch's end the test loss fell below the initial weights' by LEARNED (--lr 1e-12 moves it
     by 1e-12; a healthy run, on data that allows 60% too, by more). And the accuracy reached the target:
-    --target-accuracy, or the data's own `smoke_target` (the synthetic digits': 90%)."""
+    --target-accuracy, or the data's own `smoke_target` (the synthetic digits': 90%, which ToyModel reaches in --smoke's
+    80 steps; your model need not: a small BatchNorm CNN reached 82% on 8 healthy devices)."""
     start = run.untrained.loss
     best = min(e["test_loss"] for e in run.epochs)
-    target = run.args.target_accuracy or getattr(run.test.dataset, "smoke_target", None) or 0.0
+    known = isinstance(run.model, ToyModel) and getattr(run.test.dataset, "smoke_target", None)
+    target = run.args.target_accuracy or known or 0.0
     accuracy = run.epochs[-1]["accuracy"]
     figure = f"test loss {start:.4f} untrained -> {best:.4f} at best (must fall {LEARNED:.0%})"
     figure += f", test accuracy {run.untrained.accuracy:.2f}% -> {accuracy:.2f}% (target {target:g}%)"
