@@ -18,6 +18,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -96,6 +97,23 @@ WORLD_RUN = [
 
 
 # ---- running train_tpu.py ---------------------------------------------------------------------------------------
+def normalized(pixels):  # uint8 pixels as train_tpu.py's dataset() gives them to the model
+    return (pixels / 255 - 0.1307) / 0.3081
+
+
+@pytest.fixture(autouse=True)
+def no_stop(monkeypatch):  # This process's stop record, fresh for each test: one may take a stop signal.
+    monkeypatch.setattr(
+        tt, "STOP", types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)
+    )
+
+
+def free_port():  # one that nothing on this machine listens on now
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def env(**extra):
     # The runs share 2 cores, four at a time, and mostly compile: XLA's CPU backend without LLVM's optimisations
     # compiles the dynamic layerdrop run's graphs in 1.4 s instead of 7.4 (its CPU time 10 s, not 21; measured here),
@@ -155,8 +173,9 @@ def script(code, *argv, cwd, **environ):
 # which is how they get
 # the same replacements, and any WORLD_PATCH.
 WORLD = r"""
-import train_tpu as tt  # first: its first statements take the stop signals before torch loads, as on a TPU VM
-import concurrent.futures, ctypes, functools, os, signal, sys, threading, time
+import importlib, os
+tt = importlib.import_module(os.environ.get("WORLD_MODULE", "train_tpu"))  # train_tpu.py, or the trainer alone
+import concurrent.futures, ctypes, functools, signal, sys, threading, time
 import torch, torch_xla
 import torch.distributed as dist
 import torch_xla.core.xla_model as xm
@@ -175,7 +194,8 @@ def transfers():  # the trainer's own device-to-host reads: not the emulation's
     return real_transfers() - sum(emulated.values())
 
 
-real_transfers, tt.transfers = tt.transfers, transfers
+if hasattr(tt, "transfers"):  # (the instruments' counter)
+    real_transfers, tt.transfers = tt.transfers, transfers
 
 
 def host_reduce(reduce_type, host):  # this replica's CPU tensors, reduced over the two
@@ -274,7 +294,8 @@ if PROCESSES:
     pjrt.run_multiprocess = run_processes
     xr.world_size = xr.process_count = lambda: N * HOSTS
     xr.global_ordinal = xr.process_index = lambda: HOST * N + int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", 0))
-    tt.this_host = lambda kind: (HOST, HOSTS)  # what a TPU VM's metadata says
+    if hasattr(tt, "this_host"):  # (the instruments' reading of the TPU VM's metadata)
+        tt.this_host = lambda kind: (HOST, HOSTS)  # what a TPU VM's metadata says
 exec(os.environ.get("WORLD_PATCH", ""))
 if __name__ == "__main__":
     code = tt.main()
@@ -284,7 +305,7 @@ if __name__ == "__main__":
 """
 
 
-def world(root, kind, *argv, patch="", when=None, timeout=300, replicas=2, optimized=False, **how):
+def world(root, kind, *argv, patch="", when=None, timeout=300, replicas=2, optimized=False, module=None, **how):
     """Runs train_tpu.py in the faithful world of `kind` ("threads" or "processes"), after `patch`, in a process group
     of its own; with `when`, signals the whole group as group() does. `optimized`: XLA's CPU backend at its default
     optimisation level, for the runs whose time goes to computing, not compiling."""
@@ -294,6 +315,7 @@ def world(root, kind, *argv, patch="", when=None, timeout=300, replicas=2, optim
     store = root / f"store-{time.monotonic_ns()}"  # gloo's rendezvous: one per run
     environ = env(WORLD=kind, WORLD_STORE=store, WORLD_PATCH=patch, ALLOW_MULTIPLE_LIBTPU_LOAD=1, TPU_SKIP_MDS_QUERY=1)
     environ["WORLD_REPLICAS"] = str(replicas)
+    environ["WORLD_MODULE"] = module or "train_tpu"
     if optimized:
         environ.pop("XLA_FLAGS")
     return group([sys.executable, "-u", str(launcher), *map(str, argv)], root, when, environ, timeout, **how)
@@ -310,7 +332,7 @@ def on_slice(root, out, *argv, patch="", timeout=240, when=None, replicas=1, **h
         launcher.write_text(WORLD)
     name = out.rsplit("/", 1)[-1]  # (of a bucket's folder too)
     store, peers = root / f"store-{name}-{time.monotonic_ns()}", []  # gloo's rendezvous: one per run
-    port = tt.free_port()  # the coordination service's, on "host 0": every run its own
+    port = free_port()  # the coordination service's, on "host 0": every run its own
 
     def host(k):
         environ = env(WORLD="processes", WORLD_STORE=store, WORLD_PATCH=patch, WORLD_HOST=k, WORLD_HOSTS=2)
@@ -330,6 +352,23 @@ def on_slice(root, out, *argv, patch="", timeout=240, when=None, replicas=1, **h
 
     with ThreadPoolExecutor(max_workers=2) as hosts:
         return list(hosts.map(host, (0, 1)))
+
+
+def mine(root):
+    """The trainer alone: train_tpu.py without its instruments' block, made as README.md makes it. --cores 1; then two
+    replica processes (libtpu started), SIGTERM to the group in epoch 2 (2.5 s steps), and --resume."""
+    folder = root / "mine"
+    folder.mkdir()
+    with open(folder / "mine.py", "w") as f:
+        subprocess.run(["sed", "/^# ==== /,/^# ==== end/d", os.path.join(HERE, "train_tpu.py")], stdout=f, check=True)
+    one = cli(
+        "--data", "synthetic", "--cores", 1, "--epochs", 1, "--out-dir", "one", cwd=folder, file=folder / "mine.py"
+    )
+    stop = world(
+        folder, "processes", *WORLD_RUN, "--out-dir", "stop", patch=SLOW_EPOCH_2, when="epoch 2 step 1/", module="mine"
+    )
+    saved = tt.load_checkpoint(tt.find_checkpoint(str(folder / "stop")))  # (before the resume's saves replace it)
+    return one, stop, saved, world(folder, "processes", "--resume", "stop", module="mine")
 
 
 def orphans(root):
@@ -639,11 +678,11 @@ gcsfs.GCSFileSystem._pipe_file = noted(gcsfs.GCSFileSystem._pipe_file)
 def gcs(tmp_path_factory):
     """A Cloud Storage server on 127.0.0.1 (gcp-storage-emulator) with one bucket, "bucket", which gcsfs reaches through
     the environment of this process and of every run: the log of its requests. Nothing reaches a metadata server."""
-    port, log = tt.free_port(), tmp_path_factory.mktemp("gcs") / "requests.log"
+    port, log = free_port(), tmp_path_factory.mktemp("gcs") / "requests.log"
     command = [sys.executable, "-c", EMULATOR, str(port), str(log)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert server.stdout.readline() == "serving\n"
-    closed = f"127.0.0.1:{tt.free_port()}"  # where google-auth would look for credentials: nothing listens there
+    closed = f"127.0.0.1:{free_port()}"  # where google-auth would look for credentials: nothing listens there
     environ = dict(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}", FSSPEC_GS_TOKEN="anon", NO_GCE_CHECK="true")
     environ.update(GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false", GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed)
     before = dict(os.environ)
@@ -764,7 +803,7 @@ def started(tmp_path_factory, gcs):
             *["--smoke", "--cores", 1, "--smoke-timeout", 4, "--out-dir", "stall"],
             cwd=root,
             timeout=120,
-            patch="tt.train = lambda run: time.sleep(3600)  # the only replica, in this process, hangs",
+            patch="tt.build_optimizer = lambda *args: time.sleep(3600)  # the only replica, in this process, hangs",
         ),
         "fit": lambda: script(FIT_SMOKE + FIT_ENDS, cwd=root),  # (one process: each costs 5 s of imports)
         "tampered": lambda: tampered(root),
@@ -790,6 +829,7 @@ def started(tmp_path_factory, gcs):
             tee=True,
         ),
         "orphans": lambda: orphans(root),
+        "mine": lambda: mine(root),
         "pod_smoke": lambda: on_slice(  # your copy, started under nohup, and sent SIGHUP
             yours_folder,
             "pod-smoke",
@@ -920,12 +960,12 @@ def test_the_layerdrop_model_learns_with_a_layer_per_coin_flip_and_is_evaluated_
     model = tt.ToyModel("dynamic")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(80):
-        x, y = tt.normalized(images[step * 64 : (step + 1) * 64]), labels[step * 64 : (step + 1) * 64]
+        x, y = normalized(images[step * 64 : (step + 1) * 64]), labels[step * 64 : (step + 1) * 64]
         optimizer.zero_grad()
         F.cross_entropy(model(x, coins(args, 1, step + 1, None)), y).backward()
         optimizer.step()
     with torch.no_grad():
-        accuracy = (model(tt.normalized(test_images)).argmax(1) == test_labels).float().mean().item()
+        accuracy = (model(normalized(test_images)).argmax(1) == test_labels).float().mean().item()
     assert accuracy > 0.9  # (a plain chain of fc2, fc2(fc2(...)), stays at chance: about 0.1)
 
 
@@ -950,7 +990,7 @@ def test_synthetic_digits_are_deterministic_learnable_and_not_trivial():
     assert images.dtype == torch.uint8 and images.shape == (6000, 1, 28, 28)
     assert torch.bincount(labels, minlength=10).min() > 450
     test_images, test_labels = tt.synthetic_digits(1000, 99)
-    x, test_x = tt.normalized(images), tt.normalized(test_images)
+    x, test_x = normalized(images), normalized(test_images)
     torch.manual_seed(0)
     model = tt.ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -993,7 +1033,7 @@ def test_mnist_files_are_read_and_normalized_as_torchvision_would(tmp_path):
 
 def fake_run(world, rank, batch, seed=3):
     args = tt.parse_args(["--seed", seed, "--data", "synthetic"])
-    return types.SimpleNamespace(world=world, rank=rank, load_batch=batch, args=args, places=None)
+    return types.SimpleNamespace(world=world, rank=rank, load_batch=batch, args=args, places=None, master=False)
 
 
 def test_in_memory_data_comes_in_whole_batches_in_the_order_given_as_sample_by_sample_collation_would():
@@ -1145,9 +1185,8 @@ def test_on_a_pod_slice_one_host_modes_are_refused_and_out_dir_is_needed(pod, tm
     args = tt.parse_args([])
     assert tt.check_environment(args) == ("TPU", 2, 4, 4)  # host 2 of 4
     with pytest.raises(tt.Exit, match="--out-dir is needed on a pod slice"):  # runs/<time> differs per host
-        tt.prepare_out_dir(args, 4)
-    assert tt.prepare_out_dir(tt.parse_args(["--out-dir", tmp_path / "shared"]), 4) == str(tmp_path / "shared")
-    assert os.path.isdir(tmp_path / "shared")
+        tt.prepare(args)
+    tt.prepare(tt.parse_args(["--out-dir", tmp_path / "shared", "--data", "synthetic"]))  # (no exit)
 
 
 def test_cores_8_on_a_v4_8_or_a_v5p_8_means_its_4_devices_and_a_count_it_has_not_exits_2(pod, monkeypatch, capsys):
@@ -1203,18 +1242,18 @@ def test_the_devices_check_compares_with_what_the_tpu_metadata_says_the_slice_ho
     assert tt.check_devices(run)[0] is None  # one core of a slice: nothing to compare
 
 
-def test_a_torch_xla_that_fails_to_import_or_lacks_libtpu_on_a_tpu_vm_exits_2(pod, monkeypatch):
+def test_a_torch_xla_that_fails_to_import_or_lacks_libtpu_on_a_tpu_vm_exits_2(pod, monkeypatch, capsys):
     monkeypatch.setattr(
         tt,
         "XLA_IMPORT_ERROR",
         ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max retries\n..."),
     )
-    with pytest.raises(
-        tt.Exit,
-        match=r"^error: import torch_xla failed: ConnectionError: HTTPConnectionPool.*retries "
-        r"\(on a TPU VM it reads the VM's metadata\)$",
-    ):
-        tt.check_environment(tt.parse_args([]))
+    assert tt.main([]) == 2
+    assert re.fullmatch(
+        r"train_tpu.py: error: import torch_xla failed: ConnectionError: HTTPConnectionPool.*retries "
+        r"\(on a TPU VM it reads the VM's metadata\)\n",
+        capsys.readouterr().err,
+    )
     monkeypatch.setattr(tt, "XLA_IMPORT_ERROR", None)
     monkeypatch.setattr(tt.torch_xla, "_found_libtpu", False)  # torch_xla's import then chose the CPU itself
     monkeypatch.setattr(tt, "USER_DEVICE", None)
@@ -1263,17 +1302,17 @@ def test_collectives_carry_only_dtypes_a_tpu_all_reduces(monkeypatch):
 def test_a_replica_that_fails_alone_tells_the_launcher_and_still_raises(monkeypatch, tmp_path):
     """Were it to return, xmp.spawn could return normally in the launcher before its watch looked: an exit 0."""
     control = tt.Control(tt.parse_args([]), str(tmp_path))
+    monkeypatch.setattr(tt, "CONTROL", control)  # this process's
+    monkeypatch.setattr(tt.xr, "local_ordinal", lambda: None)
 
-    def start_replica(*args):  # its runtime started
-        control.set_stage(1, "setup")
-        return types.SimpleNamespace(world=2, rank=1)
+    def train():  # the replica's run, under the launcher's watch
+        return 1 / 0
 
-    monkeypatch.setattr(tt, "start_replica", start_replica)
-    monkeypatch.setattr(tt, "train", lambda run: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        tt._mp_fn(1, None, "CPU", str(tmp_path), control)
+    control.set_stage(1, "setup")  # its runtime started
+    with pytest.raises(ZeroDivisionError), tt.watched(1):
+        train()
     ended, stage = control.why_replicas_ended()
-    where = f"test_train_tpu.py:{tt.train.__code__.co_firstlineno}"  # the lambda's line: the last frame not a library's
+    where = f"test_train_tpu.py:{train.__code__.co_firstlineno + 1}"  # the last frame not a library's
     why = f"ZeroDivisionError: division by zero (at {where}; traceback above)"
     assert (ended.code, ended.line) == (1, f"replica 1: failed: {why}")
     assert stage == "setup" and control.replicas() == {1: [os.getpid(), "ended", 2, None]}  # its process may now end
@@ -1388,8 +1427,8 @@ def test_two_replica_threads_of_one_process_at_different_steps_stop_at_the_one_s
         return bool(named) and step == named[0]
 
     monkeypatch.setattr(tt.torch_xla._XLAC, "_sync_point_reached", sync_point_reached)
-    control = pickle.loads(pickle.dumps(tt.Control(tt.parse_args([]), "out")))  # as xmp.spawn gives it to a process
-    control.joined = True
+    monkeypatch.setattr(tt, "STOP", types.SimpleNamespace(signum=0, lock=threading.Lock(), highest=0, step=None))
+    run = types.SimpleNamespace(service=True)  # a replica process's: it asks the service
     meet, stops, steps = threading.Barrier(2), {}, [0, 0]
     pauses = 1e-3 + np.random.default_rng(0).random((2, 100_000)) * 4e-3
 
@@ -1398,7 +1437,7 @@ def test_two_replica_threads_of_one_process_at_different_steps_stop_at_the_one_s
             meet.wait(timeout=10)  # (the other stopped: a collective that never ends)
             time.sleep(pauses[rank, step])
             steps[rank] = step
-            if asked := control.stop_asked(step):
+            if asked := tt.stop_asked(run, step):
                 stops[rank] = (step, asked)
                 return
 
@@ -1466,9 +1505,9 @@ def test_a_sighup_taken_before_the_sigterm_that_came_with_it_is_sigterms_stop_ev
     control = tt.Control(tt.parse_args([]), str(tmp_path))
     control.set_stage(0, "training")
     control.on_signal(signal.SIGHUP, None)
-    seen = control.stop_signal()  # the replica's read at its boundary
+    run = types.SimpleNamespace(control=control, rank=0, args=tt.parse_args(["--out-dir", "OUT"]), service=False)
+    seen = tt.stop_asked(run, 10)  # the replica's read at its boundary
     control.on_signal(signal.SIGTERM, None)
-    run = types.SimpleNamespace(control=control, rank=0, out_dir="OUT")
     with pytest.raises(tt.Exit) as stopped:
         tt.stop(run, seen, "epoch 2 step 10")
     assert seen == signal.SIGHUP and stopped.value.code == 143
@@ -1505,20 +1544,27 @@ def test_two_replica_threads_in_quietly_at_once_leave_stdout_stderr_and_warnings
 
 
 def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_batch_over_their_seconds(monkeypatch):
-    printed = []
+    printed, clock = [], iter([100.0, 107.0])  # step 3's graph traced at 100 s, step 30 finished at 107 s
+    monkeypatch.setattr(tt, "HOOKS", {})  # the trainer's own line
+    monkeypatch.setattr(tt, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(tt, "say", lambda run, line: printed.append(line))
+    monkeypatch.setattr(tt, "on_device", lambda run, batches, stop: batches[:stop])
+    monkeypatch.setattr(tt, "train_step", lambda run, batch, keep: torch.tensor(0.5))
+    monkeypatch.setattr(tt, "evaluate", lambda run: tt.TestResult(0.5, 90.0, 1000))
+    monkeypatch.setattr(tt, "save", lambda run, **position: None)
+    monkeypatch.setattr(tt.torch_xla, "sync", lambda: None)
+    run = types.SimpleNamespace(args=tt.parse_args([]), steps=30, global_batch=256, service=False, epochs=[])
+    run.optimizer, run.history = types.SimpleNamespace(param_groups=[dict(lr=0.1)]), []
+    tt.train_epoch(run, [None] * 30, 1, 0)  # timed from step 3 (after 2 of warm-up) to step 30: 28 steps
+    assert printed[-1].endswith(f"| {28 * 256 / 7.0:,.0f} samples/s") and "1,024 samples/s" in printed[-1]
+    assert run.epochs[-1]["samples_per_s"] == pytest.approx(1024.0)
     monkeypatch.setattr(tt, "compiles", lambda: (7, 1.5))
     monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
-    run = types.SimpleNamespace(master=False, steps=30, global_batch=256, warm_compiles=5, args=tt.parse_args([]))
-    run.control = types.SimpleNamespace(in_process=True)
-    vars(run).update(mesh=None, devices=2, kind="CPU", out_dir="out", say=printed.append)
-    log = tt.Log(run)
-    log.start_epoch(1, 0)  # timed from step 2 (the warm-up) to step 30
-    log.started = 100.0  # step 2's graph launched at 100 s
-    log.finished = 107.0  # and step 30 had finished at 107 s
-    row = log.end_epoch(tt.TestResult(0.5, 90.0, 1000))
-    assert printed[1].endswith(f"| {28 * 256 / 7.0:,.0f} samples/s") and "1,024 samples/s" in printed[1]
-    assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[2]  # 7 compiled, 5 of them by the warm-up's end
-    assert row["samples_per_s"] == pytest.approx(1024.0) and (row["compiles"], row["recompiles"]) == (0, 2)
+    vars(run).update(epoch=1, warm_compiles=5, compiles_at_start=7, transfers_at_start=tt.transfers(), board=None)
+    run.save_every = 10  # (set: no agreement)
+    tt.count_epoch(run, run.epochs[-1])
+    assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[-1]  # 7 compiled, 5 of them by the warm-up's end
+    assert (run.epochs[-1]["compiles"], run.epochs[-1]["recompiles"]) == (0, 2)
 
 
 def test_the_numerics_check_compares_one_set_of_weights_whatever_your_initialisation_does(monkeypatch):
@@ -1607,7 +1653,7 @@ def test_a_stops_checkpoint_is_checked_on_resume_by_one_test_batchs_logits_again
     saved = tt.ToyModel().state_dict()
     ckpt = dict(test_loss=None, model=saved, device="CPU", settings={})
     run = fake_run(1, 0, 8)
-    vars(run).update(kind="CPU", say=lambda line: None, model=tt.ToyModel(), device=torch.device("cpu"))
+    vars(run).update(kind="CPU", model=tt.ToyModel(), device=torch.device("cpu"))
     run.test = tt.loader(run, tt.dataset(run.args, False), [])  # (the checks read its dataset)
     run.model.load_state_dict(saved)
     assert tt.verify(run, "c.pt", ckpt) is None  # the same weights: the same logits
@@ -2254,6 +2300,7 @@ def test_healthy_ends_in_every_world_show_no_abort_and_every_run_has_a_port_of_i
         "threads, exit 3": runs["two_recompiles"],
         "slice host 0": runs["pod_smoke"][0][0],
         "slice host 1": runs["pod_smoke"][1][0],
+        "processes, the trainer alone": runs["mine"][3],
     }
     for name, (code, _out, err, left, _) in ended.items():
         assert code in (0, 3, 5) and not left and "Terminating process" not in err, (name, code, err[-2000:])
@@ -2277,7 +2324,7 @@ def test_healthy_ends_in_every_world_show_no_abort_and_every_run_has_a_port_of_i
 def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(runs):
     """A save every N steps never lands on the epoch's last step (the epoch's end saves): --resume would refuse it."""
     for folder, devices in (("base", 1), ("stop-SIGTERM", 1), ("gs://bucket/pod-stop", 4), ("two-killed", 2)):
-        for path in tt.checkpoints(folder if tt.is_url(folder) else str(runs["root"] / folder)):
+        for path in tt.checkpoints(folder if "://" in folder else str(runs["root"] / folder)):
             ckpt = tt.load_checkpoint(path)
             steps, rest = divmod(ckpt["samples"], ckpt["settings"]["batch_size"] * devices)
             assert rest == 0 and steps < ckpt["settings"]["steps_per_epoch"], path
@@ -2494,6 +2541,10 @@ def test_a_batchnorm_model_of_two_replica_processes_resumes_from_its_epochs_end_
     assert any("running_var" in name for name in final(runs["root"] / "stock" / "procs")["model"])
 
 
+def settings(trainer, args):  # what a checkpoint of `trainer` (this file, or a copy) saves of its flags
+    return {name: value for name, value in vars(args).items() if name not in trainer.NOT_SETTINGS}
+
+
 def cosine(steps):  # a copy's schedule: the lr's factor, from 1 at step 0 down to 0.01 at `steps`
     return lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
 
@@ -2504,7 +2555,7 @@ def resumed(tmp_path, ckpt, flags):
     torch.save(ckpt, tmp_path / "c.pt")
     run = fake_run(1, 0, 8)
     vars(run).update(args=tt.parse_args(["--resume", tmp_path / "c.pt", *flags]), model=tt.ToyModel(), steps=10)
-    vars(run).update(global_batch=8, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None, say=print)
+    vars(run).update(global_batch=8, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None)
     run.optimizer = torch.optim.Adam(run.model.parameters(), lr=run.args.lr)
     run.schedule = torch.optim.lr_scheduler.LambdaLR(run.optimizer, cosine(run.args.epochs * run.steps))
     assert tt.resume(run) == (ckpt["epoch"], ckpt["samples"] // 8)
@@ -2528,7 +2579,7 @@ def test_a_resume_keeps_the_optimizers_own_param_groups_and_schedule_but_for_the
         adam.step()
         schedule.step()
     ckpt = dict(model=model.state_dict(), optimizer=adam.state_dict(), schedule=schedule.state_dict(), epoch=2)
-    ckpt |= dict(samples=32, device="CPU", rng=0, test_loss=None, history=[], epochs=[], settings=tt.settings(args))
+    ckpt |= dict(samples=32, device="CPU", rng=0, test_loss=None, history=[], epochs=[], settings=settings(tt, args))
     saved = {k: v for k, v in adam.param_groups[0].items() if k != "params"}
     run = resumed(tmp_path, ckpt, [])
     assert {k: v for k, v in run.optimizer.param_groups[0].items() if k != "params"} == saved
@@ -2569,11 +2620,40 @@ def test_a_flag_you_add_is_a_setting_that_a_resume_keeps_unless_given_again(tmp_
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoint-0002-000000000.pt").write_bytes(b"")  # (settings.json names it: it is not read)
-    saved = mine.settings(mine.parse_args(["--weight-decay", 0.1, "--lr", 0.2, "--workers", 3, "--cores", 1]))
+    saved = settings(mine, mine.parse_args(["--weight-decay", 0.1, "--lr", 0.2, "--workers", 3, "--cores", 1]))
     tt.write_json(run / "settings.json", {"checkpoint": "checkpoint-0002-000000000.pt", "settings": saved})
     resumed = mine.parse_args(["--resume", run])
     assert (resumed.weight_decay, resumed.lr, resumed.workers, resumed.cores) == (0.1, 0.2, 0, None)
     assert mine.parse_args(["--resume", run, "--weight-decay", 0.3]).weight_decay == 0.3
+
+
+def test_the_trainer_alone_trains_and_in_replica_processes_stops_at_one_step_on_sigterm_and_resumes_as_eager(runs):
+    """The file without its instruments' block: a trainer that calls nothing in it. It trains with --cores 1. In two
+    replica processes that started libtpu, SIGTERM to the group mid epoch 2 stops both at one step, which the
+    coordination service names; the master saves there, the launcher exits 143, and --resume ends as eager PyTorch."""
+    one, (code, out, err, left, _), saved, resumed = runs["mine"]
+    folder = runs["root"] / "mine"
+    source = (folder / "mine.py").read_text()
+    assert "\n# ==== " not in source and "def check_numerics" not in source and "def fit(" not in source
+    assert ok(one).stdout.splitlines()[-1] == "done | 1 epochs | test accuracy 99.95%" and tt.checkpoints(
+        str(folder / "one")
+    )
+    stopped = re.search(
+        r"^train_tpu.py: stopped by SIGTERM at epoch 2 step (\d+), checkpoint saved: continue with --resume stop$",
+        err,
+        re.M,
+    )
+    assert code == 143 and not left and stopped, err[-3000:]
+    assert "WORLD replica process 1: libtpu started" in out and "preemption_notifier.cc" in err
+    step = int(stopped.group(1))
+    model, optimizer, _ = eager_two_replicas([(1, 6), (2, step)])
+    assert (saved["epoch"], saved["samples"]) == (2, step * 32)  # the stop's, at the step named
+    same_weights(saved, model, optimizer)
+    assert resumed[0] == 0, resumed[2][-3000:]
+    model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6), (3, 6)])
+    saved = final(folder / "stop")
+    same_weights(saved, model, optimizer)
+    assert [h["loss"] for h in saved["history"]] == pytest.approx(losses, abs=1e-5)  # each step once, replica 0's
 
 
 def test_your_model_without_layerdrop_s_hooks_passes_ruff_and_layerdrop_exits_2_in_one_line(runs, capsys):
@@ -2709,7 +2789,7 @@ def test_a_tpus_default_precision_passes_the_numerics_and_resume_checks_and_an_o
     """A TPU multiplies in bfloat16 by default (float32 sums), emulated here on the host for the convolution and the
     linear layer: within what a TPU run allows, beyond what float32 on the CPU allows; a wrong layout beyond both."""
     x, y = tt.synthetic_digits(128, 3)
-    x = tt.normalized(x)
+    x = normalized(x)
     torch.manual_seed(0)
     state = tt.ToyModel().state_dict()
     model = tt.ToyModel()

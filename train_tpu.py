@@ -5,37 +5,20 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
-import os
-import signal
-
-# A replica process leaves stop signals to its launcher, which passes them on as SIGTERM to XLA's coordination service
-# (Control). So it sets an idle handler before the slow imports: libtpu, when it starts, chains to a Python handler, but
-# kills the process on a signal that was ignored (SIG_IGN; pytorch/xla#8234).
-REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
-if REPLICA_PROCESS:
-
-    def on_stop_signal(signum, frame):  # Nothing while the launcher lives; a replica orphaned by its death ends.
-        if str(os.getppid()) != os.environ["TRAIN_TPU_LAUNCHER"]:
-            os._exit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's stays ignored)
-            signal.signal(signum, on_stop_signal)
-# ruff: noqa: E402 (the imports follow those statements on purpose)
+# The trainer comes first. The instruments follow in one block, from the line "# ==== " to "# ==== end": the smoke
+# test, run control, the checks, the format conversion, fit(). The block puts its functions in HOOKS, which the trainer
+# calls at points of a run (hook()). Delete it, and the trainer runs alone with HOOKS empty:
+#   sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
 
 import argparse
 import atexit
 import collections
 import contextlib
-import dataclasses
-import functools
-import hashlib
-import inspect
 import itertools
 import json
-import math
-import multiprocessing
+import os
 import shutil
+import signal
 import socket
 import sys
 import sysconfig
@@ -43,6 +26,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import warnings
 
 import fsspec
@@ -52,34 +36,51 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate, default_convert
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
 
-USER_DEVICE = os.environ.get("PJRT_DEVICE")  # PJRT_DEVICE as the user set it: `import torch_xla` sets it if unset.
+USER_DEVICE = os.environ.get("PJRT_DEVICE")  # as the user set it: `import torch_xla` sets it if unset
 XLA_IMPORT_ERROR = None
-try:
+try:  # A torch_xla built for another torch fails here, and so, on a TPU VM, does an unreachable metadata server.
     import torch_xla
     import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.distributed.spmd as xs
     import torch_xla.distributed.xla_multiprocessing as xmp
     import torch_xla.experimental.distributed_checkpoint as xc
     import torch_xla.runtime as xr
-    from torch_xla._internal import pjrt, tpu
-except Exception as e:  # a torch_xla built for another torch, or on a TPU VM an unreachable metadata server
+    from torch_xla._internal import tpu
+except Exception as e:
     XLA_IMPORT_ERROR = e
+
+HOOKS = {}  # {a point of the run: the instruments' function for it}, filled by the block at the end of the file
+
+
+def hook(point, *args):
+    """Calls the instruments' function for this point of the run, and returns its answer; None without the block."""
+    if point not in HOOKS:
+        return None
+    return HOOKS[point](*args)
 
 
 # ---- flags -----------------------------------------------------------------------------------------------------------
+# Every flag is a setting, which a resume keeps unless it is given again (a flag you add too), but for these: where and
+# how this process runs.
+NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_port", "smoke", "smoke_timeout")
+
+
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() may pass numbers.
-    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # exits 2 in one line
-    smoke = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10)  # its presets
+    p = argparse.ArgumentParser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
+    p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
+    p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
+    p.add_argument(
+        "--coordinator-port", type=int, help="XLA's coordination service's; default: 8547 on a TPU, else free"
+    )
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=128, help="samples per device per step")
     p.add_argument("--lr", type=float, default=0.05, help="as given: not scaled by the number of devices")
@@ -91,46 +92,31 @@ def parse_args(argv=None):
     # Layerdrop, from the article "Training PyTorch on Cloud TPUs": a graph that changes from step to step recompiles.
     p.add_argument("--layerdrop", choices=("off", "dynamic", "static"), default="off", help="dynamic: recompiles")
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
-    p.add_argument("--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more graphs compile after epoch 1")
-    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {smoke}")
-    p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
-    p.add_argument(
-        "--out-dir", help="the run folder, or gs://BUCKET/RUN; if not given, runs/<time>, or the resumed run's"
-    )
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
-    p.add_argument("--save-minutes", type=float, default=10.0, help="also checkpoint after M minutes with none; 0: off")
-    p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
-    p.add_argument(
-        "--coordinator-port", type=int, help="XLA's coordination service's; default: 8547 on a slice, else free"
-    )
-    if "--smoke" in argv:  # Its presets replace the defaults, so that the flags given still win.
-        p.set_defaults(**smoke)
+    hook("flags", p, argv)  # the instruments' flags (--smoke, say), and one-line errors
     args = p.parse_args(argv)
-    check_flags(p, args)  # Each value in its range, and no --resume with --smoke.
-    given = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args))))  # None but for the flags given
-    if args.resume:  # Parse again, with the saved settings as the defaults: the flags given still win.
+    hook("parsed", p, args)  # each value in its range
+    if args.resume:  # Parsed again with the run's saved settings as the defaults: the flags given still win.
         p.set_defaults(**saved_settings(args.resume))
         args = p.parse_args(argv)
-    args.given = {name for name, value in vars(given).items() if value is not None}
     return args
 
 
-# ---- data: your own goes here (edit 1 of 2) --------------------------------------------------------------------------
+# ---- data: your own goes here (edit 1 of 3) --------------------------------------------------------------------------
 def dataset(args, train):
     """One split: any map-style torch Dataset of (input, label) samples, torchvision's with their transforms too."""
     if args.data == "synthetic":
         images, labels = synthetic_digits(12_000 if train else 2_000, seed=1235 if train else 1234)
-        return InMemory(normalized(images), labels, smoke_target=90.0)  # the accuracy (%) --smoke must reach on them
+        digits = InMemory((images / 255 - 0.1307) / 0.3081, labels)
+        digits.smoke_target = 90.0  # the accuracy (%) that --smoke asks of ToyModel on them
+        return digits
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
-    with quietly():  # torchvision prints every download attempt. It downloads only what --data-dir lacks.
+    with contextlib.redirect_stdout(None):  # torchvision prints every download attempt. It downloads what DIR lacks.
         mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
-    return InMemory(normalized(mnist.data.unsqueeze(1)), mnist.targets)  # (N, 1, 28, 28): no PIL image, no transform
-
-
-def normalized(pixels):  # uint8 pixels as Normalize() makes them, once: 4 ops fewer to trace a step, 4x the memory
-    return (pixels.float() / 255 - 0.1307) / 0.3081
+    # Normalized as Normalize() would, once: (N, 1, 28, 28) floats, no PIL image, 4 ops fewer to trace a step.
+    return InMemory((mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets)
 
 
 def model_input(x):
@@ -138,7 +124,7 @@ def model_input(x):
     return x
 
 
-# ---- model: your own goes here (edit 2 of 2) -------------------------------------------------------------------------
+# ---- model: your own goes here (edit 2 of 3) -------------------------------------------------------------------------
 class ToyModel(nn.Module):
     """A small CNN that returns logits. With --layerdrop, a shared residual layer (fc2) runs up to 50 times."""
 
@@ -186,15 +172,49 @@ def build_optimizer(args, model, steps):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
+# ---- the synthetic digits, a dataset in memory, and the first weights --------------------------------------------
+def synthetic_digits(n, seed):
+    """Ten random stroke patterns, one per class, each shifted by up to 8 pixels on noise: (uint8 images, labels). A
+    fixed pixel template per class does poorly on them; a CNN learns them. Deterministic for (n, seed)."""
+    g = torch.Generator().manual_seed(seed)
+    glyphs = (torch.rand(10, 14, 14, generator=torch.Generator().manual_seed(0)) < 0.3).float()  # alike in both splits
+    labels = torch.randint(0, 10, (n,), generator=g)
+    images = torch.rand(n, 28, 28, generator=g) * 0.3
+    shifts = torch.randint(0, 9, (n, 2), generator=g)
+    rows = 3 + shifts[:, 0, None, None] + torch.arange(14)[:, None]  # each sample's glyph: its 14 x 14 pixels
+    cols = 3 + shifts[:, 1, None, None] + torch.arange(14)
+    images[torch.arange(n)[:, None, None], rows, cols] += glyphs[labels] * 0.7
+    return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
+
+
+class InMemory(TensorDataset):
+    """Tensors in memory. DataLoader asks for a batch's samples at once (__getitems__): one indexing, not one each."""
+
+    def __getitems__(self, indices):
+        return [t[indices] for t in self.tensors]
+
+
+def initial_model(args):
+    """The model's first weights come from --seed alone: the same on every replica and in every run. TPU v2/v3 run two
+    replica threads, which share the global RNG: one builds at a time."""
+    with ONE_REPLICA_AT_A_TIME:
+        torch.manual_seed(args.seed)
+        return build_model(args)
+
+
+ONE_REPLICA_AT_A_TIME = threading.RLock()
+
+
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
 def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
     # InMemory's batches need no collating (nor those of a Subset of one, which passes its __getitems__ on).
     whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None
-    # Forked, as on Linux by default; in xmp.spawn's processes, spawned workers would import this file anew: 7 CPU-s.
-    fork = "fork" if run.args.workers and sys.platform == "linux" else None
-    # Its own generator seeds the workers: else it draws from the global RNG, seeded by initial_model (v2/v3: a race).
-    workers = dict(num_workers=run.args.workers, worker_init_fn=worker_start, multiprocessing_context=fork)
+    # A worker leaves a stop signal to its replica, which saves and then ends it. Forked, as on Linux by default: in
+    # xmp.spawn's processes spawned workers would import this file anew (7 CPU-s each).
+    workers = dict(num_workers=run.args.workers, worker_init_fn=ignore_stop_signals)
+    workers.update(multiprocessing_context="fork" if run.args.workers and sys.platform == "linux" else None)
+    # Its own generator seeds the workers: else it draws from the global RNG, which initial_model seeds (v2/v3: a race).
     workers.update(generator=torch.Generator().manual_seed(run.args.seed))
     return DataLoader(data, run.load_batch, sampler=order, drop_last=drop_last, collate_fn=whole, **workers)
 
@@ -209,6 +229,11 @@ def on_device(run, batches, stop=None):
         batches = itertools.chain([first], batches)
         spec = {name: xs.ShardingSpec(run.mesh, ("data",) + (None,) * (t.dim() - 1)) for name, t in first.items()}
     return pl.MpDeviceLoader(batches, run.device, input_sharding=spec)
+
+
+def ignore_stop_signals(worker_id=None):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 # ---- the step and evaluation -----------------------------------------------------------------------------------------
@@ -228,8 +253,9 @@ def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device u
 
 
 def evaluate(run):
-    """The test loss and accuracy (%). The sums stay on the device until one all-reduce over the replicas."""
-    # BatchNorm's running statistics drift apart on each replica: each evaluates and saves the master's, as DDP's
+    """The test loss and accuracy (%), each sample counted once: every world-th on each replica, the last batch padded
+    (one shape, one graph) with samples marked invalid. The sums stay on the device until one all-reduce."""
+    # BatchNorm's running statistics drift apart on each replica: all evaluate and save the master's, as DDP's
     # broadcast_buffers does. (Averaged, they would change the master's at a stop's save: no exact resume.)
     broadcast(run, run.model.buffers())
     run.model.eval()
@@ -248,225 +274,513 @@ def evaluate(run):
     return TestResult(loss / count, 100 * hits / count, int(count))
 
 
+TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
+
+
+def padded(run, batches):
+    """The test batches, the last filled up with copies of a sample marked valid=0."""
+    for x, y in batches:
+        fill = torch.arange(run.load_batch).clamp(max=len(y) - 1)  # (a whole batch: its own order)
+        yield x[fill], y[fill], (torch.arange(run.load_batch) < len(y)).float()
+
+
+def broadcast(run, tensors):
+    """Every replica takes the master's float tensors, in place: TPUs all-reduce no int64 (pytorch/xla#1952)."""
+    floats = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
+    if run.world > 1 and floats:
+        xm.collective_broadcast(floats)
+        torch_xla.sync()
+
+
 # ---- the epochs ------------------------------------------------------------------------------------------------------
-def train_epoch(run, batches, epoch, skip):
-    """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint."""
-    run.log.start_epoch(epoch, skip)
-    step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
-    for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
-        lr = run.optimizer.param_groups[0]["lr"]  # this step's, which the schedule then moves on
-        loss = train_step(run, batch, layerdrop_keep(run, epoch, step))
-        run.log.add(step, loss, lr)
-        checkpoint_or_stop(run, epoch, step)  # per --save-steps, and when the launcher asks (on time, or to stop)
-    if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
-        raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
-    end_epoch(run, epoch)  # It evaluates, logs and saves the epoch, and then stops if a signal came.
-
-
-def train(run):  # One replica's run: the model, the data, then the epochs.
-    args = run.args
-    run.model = initial_model(args).to(run.device)  # Its first weights come from --seed alone.
-    broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
-    data, test = dataset(args, train=True), dataset(args, train=False)
-    if args.smoke:
-        data, test = smoke_training_set(run, smoke_shaped(run.model, data)), smoke_shaped(run.model, test)
-    shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
-    run.test = loader(run, test, range(run.rank, len(test), run.world))  # every world-th sample: each counts once
-    run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
-    if run.steps == 0:
-        raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
-    run.optimizer, run.schedule = build_optimizer(args, run.model, args.epochs * run.steps)
-    run.log = Log(run)  # It prints the run's first line: devices, batch, learning rate, steps, and the folder.
-    if args.smoke:
-        run.untrained = evaluate(run)  # the learning check's baseline: the initial weights' test loss
-        smoke_check(run, check_devices)  # before training: a missing chip is the first FAIL, whatever follows
-    first_epoch, skip = resume(run)  # (1, 0) if fresh. A resumed run is checked against its saved test loss.
-    run.control.set_stage(run.rank, "training")  # A stop signal now asks for a checkpoint, not ends at once.
-    try:
+def train(index, args):
+    """One replica's run, from xmp.spawn (index: its number on this host), or under SPMD the one process's."""
+    with hook("replica", index) or contextlib.nullcontext():  # the instruments' watch over this replica
+        run = start_replica(args)
+        hook("started", run)
+        run.model = initial_model(args).to(run.device)  # Its first weights come from --seed alone.
+        broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
+        data, test = hook("data", run) or (dataset(args, train=True), dataset(args, train=False))  # (--smoke's own)
+        shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
+        run.test = loader(run, test, range(run.rank, len(test), run.world))  # every world-th sample: each counts once
+        run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
+        if run.steps == 0:
+            raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
+        run.optimizer, run.schedule = build_optimizer(args, run.model, args.epochs * run.steps)
+        mode = "SPMD" if run.mesh is not None else "a replica each"
+        sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr}"
+        writer = f"out {args.out_dir}, written by ordinal 0 on {os.uname().nodename}"
+        if run.service:
+            writer += f" | coordination service port {args.coordinator_port}"
+        say(run, f"{xr.device_type()} | {sizes} | {run.steps} steps per epoch | {writer}")
+        hook("before_training", run)  # --smoke: the untrained weights' test loss, and the devices' check
+        first_epoch, skip = resume(run)  # (1, 0) if fresh
+        hook("training", run)
         for epoch in range(first_epoch, args.epochs + 1):
             shard.set_epoch(epoch)  # The DistributedSampler shuffles anew, alike on every replica.
             order = list(shard)[skip * run.load_batch :]  # A resumed epoch starts after the samples done: none is read.
             train_epoch(run, loader(run, data, order, drop_last=True), epoch, skip)
             skip = 0
-    finally:
-        run.log.close()  # TensorBoard writes its last scalars, on a stop too.
-    finish(run)  # The run's last line, then the smoke verdict (exit 5) or the --target-accuracy check (exit 21).
+        accuracy = run.epochs[-1]["accuracy"]
+        say(run, f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
+        hook("finish", run)  # --smoke: the verdict (exit 5)
+        if accuracy < args.target_accuracy:
+            raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
 
 
-# ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
-def launch(args, kind, out_dir, host, hosts, from_python=False):  # Runs the replicas (docs: learn/pjrt): one Exit.
-    # Control: stop signals, a replica that fails, the smoke deadline.
-    with Control(args, out_dir, host, hosts, from_python) as control:
-        try:
-            if not args.spmd:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
-                xmp.spawn(_mp_fn, args=(args, kind, out_dir, control), nprocs=1 if args.cores == 1 else None)
-            else:
-                train(start_replica(args, kind, out_dir, control))
-        except Exception as e:  # every replica's Exit, or the launcher ended the run, or a bug in the only replica
-            raise control.exit_for(e, kind) from e  # the Exit that says which, or e: main() prints it, or its traceback
+def train_epoch(run, batches, epoch, skip):
+    """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint. A
+    step's loss is read back at the next log boundary: that step has long finished, so no step waits for the device."""
+    run.unread, started = [], None  # [(step, its loss on the device, its lr)] of the boundaries; when timing began
+    hook("epoch", run, epoch)  # the instruments' counters start
+    step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
+    for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
+        lr = run.optimizer.param_groups[0]["lr"]  # this step's, which the schedule then moves on
+        loss = train_step(run, batch, layerdrop_keep(run, epoch, step))
+        if step == skip + WARMUP_STEPS + 1:  # MpDeviceLoader launched the steps before it: the clock starts here.
+            started = time.perf_counter()
+        if step % run.args.log_steps == 0 or step == run.steps:
+            read_losses(run, epoch, upto=step - 1)
+            run.unread.append((step, loss, lr))
+        if step < run.steps:  # (The epoch's last step is saved below.)
+            checkpoint_or_stop(run, epoch, step)
+    if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
+        raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
+    asked = stop_asked(run, epoch * run.steps)
+    hook("epoch_end", run)  # --max-recompiles counts before the evaluation compiles
+    torch_xla.sync()
+    read_losses(run, epoch)  # A wait for every step launched.
+    rate = None  # samples/s after the warm-up steps
+    if started is not None:
+        rate = (run.steps - skip - WARMUP_STEPS) * run.global_batch / (time.perf_counter() - started)
+    test = evaluate(run)
+    tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
+    say(run, f"epoch {epoch} done | {tested} | {'untimed' if rate is None else f'{rate:,.0f} samples/s'}")
+    run.epochs.append(dict(epoch=epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate))
+    hook("epoch_row", run, run.epochs[-1])  # the instruments' counters, in the row
+    save(run, next_epoch=epoch + 1, steps_done=0, test=test)
+    hook("epoch_saved", run)  # --max-recompiles: exit 3
+    if asked and epoch < run.args.epochs:  # After the last epoch the run finishes.
+        stop(run, asked, f"epoch {epoch + 1} step 0")
 
 
-def _mp_fn(rank, args, kind, out_dir, control):  # xmp.spawn's entry point, once per replica (rank: its ordinal)
-    try:
-        train(start_replica(args, kind, out_dir, control))
-    except Exception as e:
-        # An Exit 3, 5, 21 or a stop is agreed: every replica raises it at once. Any other error, or an Exit 2 or 4 (a
-        # checkpoint only this one cannot read or compute), may be its alone, while the others wait for it: end them.
-        alone = not isinstance(e, Exit) or e.code in (2, 4)
-        if alone and not control.in_process:
-            control.fail_alone(rank, e)
-        raise
-    finally:
-        if control.progress[rank]:  # Its process may end now; one that ends before this died.
-            control.set_stage(rank, "ended")
-
-
-def main(argv=None):
-    out_dir, log = None, "log.txt"  # the run folder, whose log keeps the last line too (a slice: a log per host)
-    code, line = 0, None
-    try:
-        args = parse_args(argv)
-        kind, out_dir, host, hosts = prepare(args)
-        started = time.time()  # A bucket's run folder gets the logs written here from now: not those fetched.
-        log = f"log-host-{host}.txt" if hosts > 1 else log
-        launch(args, kind, out_dir, host, hosts)
-    except Exit as e:
-        code, line = e.code, e.line
-    except KeyboardInterrupt:
-        code, line = 130, "interrupted"
-    except Exception as e:
-        code, line = 1, report_bug(e)
-    if line is not None:
-        tell(out_dir, f"train_tpu.py: {line}", sys.stderr, log)
-    if out_dir is not None:
-        upload_logs(out_dir, started)  # (a bucket's run folder)
-    return code
-
-
-# ==== the instruments, each called by name from the training path above ===============================================
-
-
-# ---- a replica's state: every `run.` above ---------------------------------------------------------------------------
-@dataclasses.dataclass
-class Run:
-    """Everything one replica knows and makes. Under SPMD, the one process is the one replica."""
-
-    args: argparse.Namespace  # the flags, as parsed; never changed after
-    kind: str  # the device kind, "TPU" or "CPU"
-    out_dir: str  # the run folder: checkpoints, TensorBoard scalars, settings.json, verdict.json
-    control: "Control"  # how the replicas hear of a stop signal, and tell the launcher that one of them failed
-    device: torch.device  # this replica's device; under SPMD, the virtual device that spans the mesh
-    world: int = 1  # how many replicas train, each its own program (1 under SPMD)
-    rank: int = 0  # this replica's place among them
-    master: bool = True  # whether this replica prints and writes files (rank 0); nothing else asks "am I rank 0"
-    devices: int = 1  # how many devices the run trains on
-    mesh: object = None  # under SPMD: every device along one axis, "data"
-    global_batch: int = 0  # samples per step, over every device
-    load_batch: int = 0  # samples this process loads per step: the replica's, or under SPMD the global batch
-    steps: int = 0  # steps per epoch
-    model: nn.Module = None
-    optimizer: torch.optim.Optimizer = None
-    schedule: torch.optim.lr_scheduler.LRScheduler = None
-    test: DataLoader = None  # this replica's share of the test set
-    log: "Log" = None
-    history: list = dataclasses.field(default_factory=list)  # {epoch, step, loss} per logged step, in each checkpoint
-    epochs: list = dataclasses.field(default_factory=list)  # a row per epoch: test loss, accuracy, samples/s, compiles
-    checks: list = dataclasses.field(default_factory=list)  # --smoke: {name, passed, figure} of each check done
-    places: list = None  # --smoke on a slice: [host, device] of each replica
-    untrained: "TestResult" = None  # --smoke: the initial weights' test loss and accuracy
-    warm_compiles: int = None  # graphs compiled in this process by the end of the first epoch trained, the warm-up
-    recompiles: int = 0  # graphs compiled since, in the replica process that compiled the most
-    save_every: int = None  # steps between the checkpoints of --save-minutes, once the first epoch has been timed
-
-    def say(self, line):  # The master prints, and keeps the line in OUT/log.txt.
-        if self.master:
-            tell(self.out_dir, line)
-
-
-# ---- after each step and at the epoch's end: the checkpoints, and a stop --------------------------------------------
 def checkpoint_or_stop(run, epoch, step):
-    """After each step: a checkpoint at each --save-steps step, every run.save_every steps (--save-minutes), and at the
-    step that the coordination service names for a stop signal, then a stop. The epoch's last step is end_epoch()'s."""
-    if step == run.steps:
-        return
-    done = (epoch - 1) * run.steps + step  # steps over the epochs
-    asked = run.control.stop_asked(done)  # None, or the stop signal's number
+    """After a step: a checkpoint at each --save-steps step (or when the instruments ask), and at the step named for a
+    stop signal, then the stop."""
+    asked = stop_asked(run, (epoch - 1) * run.steps + step)
     on_steps = run.args.save_steps is not None and step % run.args.save_steps == 0
-    on_time = run.save_every is not None and done % run.save_every == 0
-    if on_steps or on_time or asked:
-        run.log.drain()  # A wait for the device, so that the checkpoint's history holds every step it logged.
-        test = evaluate(run) if on_steps and not asked else None  # A stop evaluates nothing: the grace is short.
+    if on_steps or asked or hook("save_now", run, epoch, step):
+        torch_xla.sync()
+        read_losses(run, epoch)  # A wait for the device: the checkpoint's history holds every step it logged.
+        test = evaluate(run) if on_steps and not asked else None  # A stop evaluates nothing: its grace is short.
         save(run, next_epoch=epoch, steps_done=step, test=test)
     if asked:
         stop(run, asked, f"epoch {epoch} step {step}")
 
 
-def end_epoch(run, epoch):
-    """After the epoch's last step: it evaluates, logs and saves the epoch. Exits 3 past --max-recompiles (--smoke: a
-    check); stops if the launcher asked for a stop at this step, but after the last epoch, which finishes."""
-    asked = run.control.stop_asked(epoch * run.steps)
-    recompiles = 0
-    if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
-        recompiles = compiles()[0] - run.warm_compiles
-    run.recompiles = int(agree(run, [recompiles])[0])  # the most of any replica, which --max-recompiles tests
-    run.log.drain()
-    test = evaluate(run)
-    if run.warm_compiles is None:
-        run.warm_compiles = compiles()[0]  # counted after the first evaluation, whose graph is part of the warm-up
-    run.epochs.append(run.log.end_epoch(test))
-    if run.save_every is None and run.args.save_minutes:  # On time from the first epoch trained here, as it took.
-        seconds = float(agree(run, [run.log.step_seconds()])[0])  # the slowest replica's: one interval for all
-        run.save_every = max(1, int(60 * run.args.save_minutes / seconds))
-    save(run, next_epoch=epoch + 1, steps_done=0, test=test)
-    limit = run.args.max_recompiles
-    if limit is not None and run.recompiles > limit and not run.args.smoke:
-        why = f"{run.recompiles} graphs compiled after warm-up (the first epoch trained here)"
-        raise Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
-    if asked and epoch < run.args.epochs:
-        stop(run, asked, f"epoch {epoch + 1} step 0")
+WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
+
+
+def read_losses(run, epoch, upto=float("inf")):
+    """Reads back the boundaries' losses up to step `upto`, to their lines and the history. Each is then freed: live
+    tensors slow every graph cut a little more."""
+    while run.unread and run.unread[0][0] <= upto:
+        step, tensor, lr = run.unread.pop(0)
+        loss = float(tensor.cpu())
+        run.history.append(dict(epoch=epoch, step=step, loss=loss, lr=lr))
+        hook("logged", run, run.history[-1])  # TensorBoard's scalars
+        say(run, f"epoch {epoch} step {step}/{run.steps} | loss {loss:.4f}")
+
+
+def layerdrop_keep(run, epoch, step):
+    """The step's fc2 decisions, from (seed, epoch, step) only: one graph on every replica; a resume repeats them."""
+    args = run.args
+    if args.layerdrop == "off":
+        return None
+    coins = np.random.default_rng([args.seed, epoch, step]).random(run.model.depth)
+    keep = coins >= args.layerdrop_prob  # each application kept with probability 1 - layerdrop_prob
+    if args.layerdrop == "dynamic":
+        return keep.tolist()
+    return torch.tensor(keep, device=run.device)
+
+
+def say(run, line):  # The master prints, and keeps the line in the run's log.txt.
+    if run.master:
+        with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
+            print(line, flush=True)
+        with open(os.path.join(local_folder(run.args.out_dir), "log.txt"), "a") as f:
+            f.write(line + "\n")
+
+
+# ---- a stop signal: every replica saves at one step, then the run exits 128 + its number -----------------------------
+# A preemption sends SIGTERM to every process of the VM. In replica processes, XLA's coordination service takes it: as
+# torch_xla's CheckpointManager starts it (experimental/distributed_checkpoint/manager.py, through the same private
+# torch_xla._XLAC calls, which 2.9 has no public API for), it names one step at which every process of the slice stops.
+# A replica in the launcher's own process (--cores 1, --spmd) hears of the signal from launch()'s handler.
+STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)  # this process's
+
+
+def join_service(run):
+    """Joins XLA's coordination service, once a process: process 0's host runs it (torch_xla's default port, 8547)."""
+    with STOP.lock:
+        if STOP.joined:
+            return
+        index, count = xr.process_index(), xr.process_count()
+        master = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
+        torch_xla._XLAC._ensure_xla_coordinator_initialized(index, count, master, str(run.args.coordinator_port))
+        torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
+        STOP.joined = True
+        # The service never shuts down, and to it an exit looks like a death: when process 0, its host, ends first,
+        # the others abort. So process 0 ends last (3 s: the others' exits take under 1 s here), and they at once.
+        if index == 0 and count > 1:
+            atexit.register(time.sleep, 3)
+        elif index > 0:
+            atexit.register(os._exit, 0)
+
+
+def stop_asked(run, step):
+    """After each step (counted over the epochs): the stop signal's number if this is the step to stop at, else 0."""
+    if not run.service:
+        return STOP.signum
+    with STOP.lock:  # TPU v2/v3 run two replica threads a process: the service hears only the higher step.
+        if step > STOP.highest:
+            STOP.highest = step
+            if torch_xla._XLAC._sync_point_reached(step):  # 0.2 us, no wait, until a SIGTERM came to any process
+                STOP.step = step
+    if STOP.step is None or step < STOP.step:
+        return 0
+    return signal.SIGTERM
 
 
 def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + the signal's number.
-    run.control.set_stage(run.rank, "stopping")  # Saved: the launcher's grace no longer applies.
-    signum = max(signum, run.control.stop_signal())  # SIGTERM, if it came with a SIGHUP taken first (on_signal)
+    signum = hook("stopping", run, signum) or signum  # (the signal the instruments' launcher took, passed on)
     why = f"stopped by {signal.Signals(signum).name} at {where}, checkpoint saved"
-    raise Exit(128 + signum, f"{why}: continue with --resume {run.out_dir}")
+    raise Exit(128 + signum, f"{why}: continue with --resume {run.args.out_dir}")
 
 
-def agree(run, values):
-    """The largest of `values` over the replicas, so that all decide alike. It waits for the step just launched."""
-    values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
-    if run.world == 1:
-        return values
-    torch_xla.sync()  # It launches the pending step first, as MpDeviceLoader would: the step's graph stays the same.
-    return xm.all_reduce(xm.REDUCE_MAX, values.to(run.device)).cpu()
+# ---- checkpoints: one dict, two formats, in a folder on this machine or in a Cloud Storage bucket --------------------
+# One dict, named checkpoint-EEEE-SSSSSSSSS by its position (the epoch to train next, the samples of it done). A replica
+# per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
+# perf/spmd_distributed_checkpoint). Each is written whole on this machine first, as NAME.tmp, then moved into place.
+# A spot TPU VM is deleted when preempted, its disk too: --out-dir gs://BUCKET/RUN keeps the run, through fsspec
+# (gcsfs), and its logs are written here in runs/gs/BUCKET/RUN (an object cannot be appended to).
+KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
-# ---- before any device starts: flags' ranges, torch_xla, the device, hosts, --cores, --out-dir -----------------------
-def prepare(args):
-    """Refuses what it can before any device starts, as xmp.spawn cannot start once one has. Returns (kind, folder,
-    this host's number, the slice's hosts)."""
-    kind, host, hosts, cores = check_environment(args)
-    if args.spmd and kind == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(cores)  # The CPU runtime emulates that many devices.
-    out_dir = prepare_out_dir(args, hosts)
-    try:  # Once, before any replica starts: replicas never race to download, and a missing dataset exits 2 here.
-        _, test = dataset(args, train=True), dataset(args, train=False)
-    except Exception as e:
-        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
-    model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
-    hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
-    if args.layerdrop != "off" and not hooks:
-        raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
-    if args.smoke:  # A model that cannot take the smoke's data would end it in a traceback that says nothing of the VM.
-        x = default_collate([smoke_shaped(model, test)[0]])[0]
-        try:
-            with torch.no_grad():
-                model.eval()(model_input(x))
-        except Exception as e:
-            why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
-            raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
-    return kind, out_dir, host, hosts
+def save(run, *, next_epoch, steps_done, test=None):
+    """Saves the run at its position, with the test loss just measured (None on a stop). Returns the path."""
+    # Samples, not steps: a resume with another batch size finds no whole step and refuses, rather than start elsewhere.
+    samples = steps_done * run.global_batch
+    ckpt = {
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "schedule": run.schedule.state_dict(),
+        "epoch": next_epoch,
+        "samples": samples,
+        "device": xr.device_type(),
+        "test_loss": None if test is None else test.loss,
+        "history": run.history,
+        "epochs": run.epochs,
+        "settings": {name: value for name, value in vars(run.args).items() if name not in NOT_SETTINGS},
+        "rng": xm.get_rng_state(run.device),  # read on the host: the seed of the next step's random ops, dropout's
+    }
+    out = run.args.out_dir
+    name = f"checkpoint-{next_epoch:04d}-{samples:09d}" + (".pt" if run.mesh is None else "")
+    path, written = f"{out}/{name}", os.path.join(local_folder(out), name + ".tmp")
+    if run.mesh is None:
+        xm.save(ckpt, written, master_only=True, global_master=True)  # Every replica syncs; only the master writes.
+    else:
+        shutil.rmtree(written, ignore_errors=True)
+        with quietly():  # DCP warns that no process group is set: this one process is the whole run.
+            dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
+    if run.master:
+        fs = store(out)
+        if "://" not in out:  # A kill mid-write, or before this line, leaves the last whole checkpoints.
+            shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
+            os.replace(written, path)
+        elif os.path.isdir(written):  # A bucket's object appears whole; a DCP folder counts once .metadata is in.
+            names = sorted(os.listdir(written), key=lambda n: n == ".metadata")
+            fs.put([f"{written}/{n}" for n in names], [f"{path}/{n}" for n in names])  # (in order: .metadata last)
+            shutil.rmtree(written)
+        else:
+            fs.put_file(written, path)
+            os.remove(written)
+        fs.pipe_file(f"{out}/settings.json", json.dumps(dict(checkpoint=name, settings=ckpt["settings"])).encode())
+        for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
+            fs.rm(old, recursive=True)
+    hook("saved", run)  # the logs, copied to a bucket
+    return path
+
+
+def store(path):  # fsspec's file system for a path: the local disk's, or gcsfs's for gs://
+    try:  # No cache of listings: other processes and hosts write in the same folder.
+        return fsspec.core.url_to_fs(path, use_listings_cache=False)[0]
+    except ImportError as e:  # (fsspec's message names the package)
+        raise Exit(2, f"error: {path}: {str(e).strip()}") from e
+
+
+def local_folder(out_dir):  # where this machine writes the run's logs, and each checkpoint first
+    return os.path.join("runs", out_dir.replace("://", "/", 1)) if "://" in out_dir else out_dir
+
+
+def checkpoints(folder):
+    """A run folder's whole checkpoints, the newest last: no *.tmp (being written), no DCP folder without .metadata
+    (written last). Newest by the store's write time, not by name: a run resumed from an older checkpoint goes on in
+    the same folder."""
+    fs = store(folder)
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
+    written = {}
+    for name in names:
+        path = f"{folder}/{name}"
+        if name.startswith("checkpoint-") and not name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):  # (deleted meanwhile, or a DCP folder being written)
+                written[path] = fs.modified(path if path.endswith(".pt") else f"{path}/.metadata")
+    return sorted(written, key=lambda p: (written[p], p))
+
+
+def find_checkpoint(path):
+    """What --resume PATH names: a checkpoint, or the newest in a run folder."""
+    fs = store(path)
+    try:
+        if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
+            return path
+        found = checkpoints(path) if fs.isdir(path) else []
+    except Exception as e:  # gcsfs's: no credentials, say
+        raise Exit(2, f"error: --resume {path}: {type(e).__name__}: {str(e).strip()}") from e
+    if not found:
+        raise Exit(2, f"error: --resume {path}: no checkpoint there")
+    return found[-1]
+
+
+def saved_settings(path):
+    """The settings saved with --resume PATH: settings.json beside it if it names it (no loading), else its own."""
+    ckpt = find_checkpoint(path)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
+        saved = json.loads(store(ckpt).cat_file(f"{os.path.dirname(ckpt)}/settings.json"))
+        if saved["checkpoint"] == os.path.basename(ckpt):
+            return dict(saved["settings"])
+    return load_checkpoint(ckpt)["settings"]
+
+
+def load_checkpoint(path):
+    """Reads a checkpoint in either format as the one dict that torch.load gives for a file."""
+    fs = store(path)
+    try:
+        if fs.isdir(path):
+            with tempfile.TemporaryDirectory() as tmp, quietly():
+                if "://" in path:  # (a bucket's, fetched first)
+                    fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
+                dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
+                ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
+            # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
+            ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
+        else:
+            with fs.open(path, "rb") as f:
+                ckpt = torch.load(f, map_location="cpu", weights_only=True)
+        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings", "rng"} <= ckpt.keys():
+            raise KeyError("not the keys of a train_tpu.py checkpoint")
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
+        why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
+        raise Exit(2, f"error: checkpoint {path}: {why}") from e
+    return ckpt
+
+
+def resume(run):
+    """Loads --resume into the model, the optimizer and the schedule. Returns (the epoch, the steps of it done)."""
+    args = run.args
+    if not args.resume:
+        return 1, 0
+    path = find_checkpoint(args.resume)
+    ckpt = load_checkpoint(path)
+    try:
+        run.model.load_state_dict(ckpt["model"])  # onto the device; under SPMD, replicated
+        run.optimizer.load_state_dict(ckpt["optimizer"])  # with its param_groups as saved (Adam's betas, say)
+    except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
+        why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
+        raise Exit(2, f"error: --resume {path}: {why}") from e
+    given = {name for name, value in ckpt["settings"].items() if getattr(args, name, value) != value}  # changed
+    for group in run.optimizer.param_groups:  # but a --momentum given anew
+        group.update({"momentum": args.momentum} if "momentum" in given and "momentum" in group else {})
+    done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
+    if rest or done >= run.steps:
+        why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
+        raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
+    # The schedule goes on as saved. --lr, --epochs or --steps-per-epoch given anew reshape it from the saved step on
+    # (as does a checkpoint saved before it had one).
+    if "schedule" in ckpt and not {"lr", "epochs", "steps_per_epoch"} & given:
+        run.schedule.load_state_dict(ckpt["schedule"])
+    else:  # (PyTorch warns of a schedule's first step before the optimizer's: here it is a move to the saved step)
+        run.schedule.last_epoch = (ckpt["epoch"] - 1) * run.steps + done - 1
+        with warnings.catch_warnings(action="ignore"):
+            run.schedule.step()
+    run.history, run.epochs = ckpt["history"], ckpt["epochs"]
+    hook("resumed", run, path, ckpt, done)  # the instruments' check of what it computes, and its format's conversion
+    # Every torch_xla.sync() moves the device's RNG on: set now, dropout goes on with the masks it would have drawn.
+    xm.set_rng_state(ckpt["rng"], run.device)
+    say(run, f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
+    return ckpt["epoch"], done
+
+
+# ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
+def start_replica(args):
+    """Starts this replica's runtime, and returns its state: `run` (under SPMD, the one process's)."""
+    if args.spmd:
+        xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
+    run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None, history=[], epochs=[])
+    if args.spmd:
+        run.devices = xr.global_runtime_device_count()
+        run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
+    else:
+        run.world, run.rank = xr.world_size(), xr.global_ordinal()
+        run.devices = run.world
+    run.master = run.rank == 0  # The one "am I the master": it prints, and writes the files.
+    run.global_batch = args.batch_size * run.devices
+    run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
+    run.service = not args.spmd and args.cores != 1  # replica processes: a stop reaches them through the service
+    if run.service:
+        join_service(run)
+    return run
+
+
+def launch(args):
+    """Runs the replicas (docs: learn/pjrt): a process per TPU chip, or one in this process (--cores 1), through
+    xmp.spawn; or under SPMD this process, over every device."""
+    if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
+    if args.coordinator_port is None and os.environ.get("PJRT_DEVICE") == "TPU":
+        args.coordinator_port = 8547  # torch_xla's default: the same on every host of a slice
+    elif args.coordinator_port is None:  # one that nothing listens on now: gRPC shares a port silently (SO_REUSEPORT)
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            args.coordinator_port = s.getsockname()[1]
+    # A stop signal: this launcher's replica stops at its next step, and replica processes (which ignore it until
+    # their service takes it) at the service's. Either way this process ends after them, with their exit.
+    STOP.signum = 0  # (a run before this one in the process, in a notebook say, may have stopped)
+    if threading.current_thread() is threading.main_thread():  # (Python takes signals in its main thread only)
+        handler = signal.SIG_IGN if not args.spmd and args.cores != 1 else lambda signum, frame: take_stop(signum)
+        signal.signal(signal.SIGTERM, handler)
+    with hook("launch", args) or contextlib.nullcontext():  # the instruments' run control
+        if args.spmd:
+            train(0, args)
+        else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
+            xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
+
+
+def take_stop(signum):
+    STOP.signum = signum
+
+
+def main(argv=None):
+    """The command line: trains, and returns the exit code (README.md lists them) after printing its last line."""
+    args, code, line = None, 0, None
+    try:
+        args = parse_args(argv)
+        if XLA_IMPORT_ERROR is not None:
+            why = f"{type(XLA_IMPORT_ERROR).__name__}: {str(XLA_IMPORT_ERROR).strip().splitlines()[0]}"
+            raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
+        hook("prepare", args)  # the instruments' checks of this machine, before any device starts
+        resumed = os.path.dirname(find_checkpoint(args.resume)) if args.resume else None
+        args.out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        same = resumed is not None and os.path.abspath(resumed) == os.path.abspath(args.out_dir)  # (URLs too)
+        try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
+            if store(args.out_dir).isdir(args.out_dir) and checkpoints(args.out_dir) and not same:
+                raise Exit(
+                    2, f"error: --out-dir {args.out_dir} holds a run: continue it with --resume, or name another"
+                )
+            os.makedirs(local_folder(args.out_dir), exist_ok=True)
+        except OSError as e:
+            raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
+        dataset(args, train=True), dataset(args, train=False)  # once, before the replicas: they never race to download
+        launch(args)
+    except Exit as e:
+        code, line = e.code, e.line
+    except KeyboardInterrupt:
+        code, line = 130, "interrupted"
+    except Exception as e:  # a bug, in your model say: its traceback, then one line
+        code, line = 1, report_bug(e)
+    if line is not None:
+        with contextlib.suppress(OSError):  # (a reader of stderr that died)
+            print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
+    hook("ended", args, code, line)  # the instruments keep it in the run's log
+    return code
+
+
+class Exit(Exception):
+    """Ends a run with an exit code and one line (README.md lists the codes), raised by every replica alike."""
+
+    def __init__(self, code, line):
+        super().__init__(code, line)  # An exception pickles as its args: xmp.spawn pickles a replica process's Exit.
+        self.code, self.line = code, line
+
+    def __str__(self):
+        return self.line
+
+
+def report_bug(e):
+    """The line for an unexpected exception, a bug in your model say: its first line, and where it was raised in your
+    code or this file (a library's frames are left out). Its traceback is printed first: you need it."""
+    with contextlib.suppress(OSError):  # (a stderr whose reader died)
+        traceback.print_exception(e)
+    libraries = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib"))
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
+    where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"failed: {type(e).__name__}: {first} ({where}traceback above)"
+
+
+@contextlib.contextmanager
+def quietly():
+    """Silences torchvision's download attempts and DCP's notices: the whole process, the other v2/v3 replica too."""
+    with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
+        with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
+            yield
+
+
+# ==== the instruments: the smoke test, run control, the checks, the format conversion, fit() ==========================
+# They add themselves to HOOKS (the table at the end of the block), which the trainer above calls at points of a run.
+# ruff: noqa: E402 (the block's own imports are here, with it)
+import functools
+import hashlib
+import inspect
+import math
+import multiprocessing
+import pickle
+
+from torch.utils.data import default_collate
+
+with contextlib.suppress(Exception):  # (main() says in one line that torch_xla failed to import)
+    import torch_xla.debug.metrics as met
+    from torch_xla._internal import pjrt
+
+# A replica process leaves stop signals to its launcher (Control), which passes them on as SIGTERM to XLA's
+# coordination service. So it sets an idle handler as it imports this file, before its runtime starts: libtpu, when it
+# starts, chains to a Python handler, but kills the process on a signal that was ignored (SIG_IGN; pytorch/xla#8234).
+REPLICA_PROCESS = os.environ.get("TRAIN_TPU_LAUNCHER") == str(os.getppid())  # started by the launcher (Control)
+if REPLICA_PROCESS:
+
+    def on_stop_signal(signum, frame):  # Nothing while the launcher lives; a replica orphaned by its death ends.
+        if str(os.getppid()) != os.environ["TRAIN_TPU_LAUNCHER"]:
+            os._exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's stays ignored)
+            signal.signal(signum, on_stop_signal)
+
+
+# ---- flags, and before any device starts: their ranges, torch_xla, the device, hosts, --cores, the dataset ----------
+def add_flags(p, argv):
+    smoke = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10)  # its presets
+    p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {smoke}")
+    p.add_argument("--smoke-timeout", type=float, default=900.0, help="seconds, from before any device starts")
+    p.add_argument("--max-recompiles", type=int, help="exit 3 (--smoke: FAIL) if more graphs compile after epoch 1")
+    p.add_argument("--save-minutes", type=float, default=10.0, help="also checkpoint after M minutes with none; 0: off")
+    if "--smoke" in argv:  # Its presets replace the defaults, so that the flags given still win.
+        p.set_defaults(**smoke)
+    p.error = functools.partial(flag_error, p)  # argparse's prints the usage block: one line instead
+
+
+def flag_error(p, message):
+    raise Exit(2, f"error: {message} (see --help)")
 
 
 RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
@@ -492,11 +806,44 @@ def check_flags(p, args):
                 p.error(f"argument --{name.replace('_', '-')}: must be {rule}, got {value}")
 
 
+def prepare(args):
+    """Refuses what it can before any device starts, as xmp.spawn cannot start once one has."""
+    kind, host, hosts, cores = check_environment(args)
+    if args.out_dir is None and hosts > 1 and args.resume is None:
+        raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
+    out_dir = args.out_dir or args.resume
+    try:
+        fs = store(out_dir) if out_dir else None
+        if out_dir and "://" in out_dir and not fs.exists(fs._strip_protocol(out_dir).split("/")[0]):
+            raise Exit(2, f"error: --out-dir {out_dir}: no such bucket, or no access to it")
+    except Exit:
+        raise
+    except Exception as e:  # gcsfs's: no credentials, say
+        raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
+    try:  # Once, before any replica starts: a missing dataset exits 2 here.
+        _, test = dataset(args, train=True), dataset(args, train=False)
+    except Exception as e:
+        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
+    model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
+    hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
+    if args.layerdrop != "off" and not hooks:
+        raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
+    if args.smoke:  # A model that cannot take the smoke's data would end it in a traceback that says nothing of the VM.
+        x = default_collate([smoke_shaped(model, test)[0]])[0]
+        try:
+            with torch.no_grad():
+                model.eval()(model_input(x))
+        except Exception as e:
+            why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
+            raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
+    LAUNCHER.update(kind=kind, host=host, hosts=hosts, prepared=time.time())
+
+
+LAUNCHER = {}  # this launcher's: the device kind, its host and the slice's hosts, and when the run was prepared
+
+
 def check_environment(args):
     """Returns (device kind, hosts, cores to train on). Nothing here starts the runtime."""
-    if XLA_IMPORT_ERROR is not None:
-        why = f"{type(XLA_IMPORT_ERROR).__name__}: {first_line(XLA_IMPORT_ERROR)}"
-        raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
     from importlib.metadata import version
 
     xla = version("torch_xla")
@@ -544,246 +891,149 @@ def this_host(kind):  # (this host's worker number, the slice's hosts): from the
     return tpu.worker_id(), tpu.num_tpu_workers()
 
 
-def prepare_out_dir(args, hosts):
-    """Makes the run folder. Every host does: ordinal 0, which writes, need not be on host 0 (torch_xla/runtime.py)."""
-    resumed = absolute(os.path.dirname(find_checkpoint(args.resume))) if args.resume else None
-    if args.out_dir is None and hosts > 1 and resumed is None:
-        raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
-    out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    fs = store(out_dir)
+# ---- a replica's instruments: its stages for the launcher, the smoke's data, counters, TensorBoard -------------------
+@contextlib.contextmanager
+def watched(index):
+    """A replica's run (index: its number on this host) under the launcher's watch: an error that may be its alone."""
+    control = this_process_control()
     try:
-        if is_url(out_dir) and not fs.exists(fs._strip_protocol(out_dir).split("/")[0]):
-            raise Exit(2, f"error: --out-dir {out_dir}: no such bucket, or no access to it")
-        # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
-        if fs.isdir(out_dir) and checkpoints(out_dir) and resumed != absolute(out_dir):
-            raise Exit(2, f"error: --out-dir {out_dir} holds a run: continue it with --resume, or name another folder")
-        os.makedirs(log_folder(out_dir), exist_ok=True)
-        if is_url(out_dir):  # A resume on a new VM goes on with the logs that the bucket keeps.
-            for log in fs.glob(f"{out_dir}/log*.txt"):
-                if not os.path.exists(local := os.path.join(log_folder(out_dir), os.path.basename(log))):
-                    fs.get(log, local)
-    except OSError as e:
-        raise Exit(2, f"error: --out-dir {out_dir}: cannot make it ({e.strerror})") from e
-    except Exit:
+        yield
+    except Exception as e:
+        # An Exit 3, 5, 21 or a stop is agreed: every replica raises it at once. Any other error, or an Exit 2 or 4 (a
+        # checkpoint only this one cannot read or compute), may be its alone, while the others wait for it: end them.
+        alone = not isinstance(e, Exit) or e.code in (2, 4)
+        if alone and not control.in_process:
+            control.fail_alone(index, e)
         raise
-    except Exception as e:  # gcsfs's: no credentials, say
-        raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
-    return out_dir
+    finally:
+        if control.progress[index]:  # Its process may end now; one that ends before this died.
+            control.set_stage(index, "ended")
 
 
-def start_replica(args, kind, out_dir, control):
-    """Starts this replica's runtime, and returns its Run (under SPMD, the one process's)."""
-    if args.spmd:
-        xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
-    run = Run(args, kind, out_dir, control, torch_xla.device())
-    if args.spmd:
-        run.devices = xr.global_runtime_device_count()
-        run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
-    else:
-        run.world, run.rank = xr.world_size(), xr.global_ordinal()
-        run.master = run.rank == 0
-        run.devices = run.world
-    run.global_batch = args.batch_size * run.devices
-    run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
+def started(run):  # once the replica's runtime started
+    control = run.control = this_process_control()
+    run.kind, run.out_dir = xr.device_type(), run.args.out_dir
+    run.checks, run.places, run.untrained, run.board = [], None, None, None  # --smoke's; TensorBoard's writer
+    run.warm_compiles, run.recompiles, run.save_every = None, 0, None  # the counters', and --save-minutes'
     control.devices[run.rank] = xr.local_ordinal()  # (its chip on this host, from v4 on; on v2/v3 a core of one)
-    if not control.in_process:
-        control.coordinate(kind)  # XLA's coordination service: a stop signal to any process stops all at one step
+    if run.service:
+        control.orphan_watch()
     control.set_stage(run.rank, "setup")  # The launcher now knows this replica's process, and that its runtime started.
-    return run
 
 
-# ---- errors ----------------------------------------------------------------------------------------------------------
-class Exit(Exception):
-    """Ends a run with an exit code and one line (README.md lists the codes), raised by every replica alike."""
-
-    def __init__(self, code, line):
-        super().__init__(code, line)  # An exception pickles as its args: xmp.spawn pickles a replica process's Exit.
-        self.code, self.line = code, line
-
-    def __str__(self):
-        return self.line
+def smoke_data(run):  # --smoke: the synthetic digits shaped for your model, read as often as its steps need
+    if not run.args.smoke:
+        return None
+    data, test = dataset(run.args, train=True), dataset(run.args, train=False)
+    return smoke_training_set(run, smoke_shaped(run.model, data)), smoke_shaped(run.model, test)
 
 
-class Parser(argparse.ArgumentParser):  # argparse's, but a bad flag raises Exit: one line, not the usage block
-    def error(self, message):
-        raise Exit(2, f"error: {message} (see --help)")
+def before_training(run):
+    if run.master:  # TensorBoard's scalars, in the run folder, if the package is there (it is no requirement)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            say(run, "tensorboard | not installed: no scalars written (pip install tensorboard)")
+        else:
+            run.board = SummaryWriter(local_folder(run.out_dir))
+    if run.args.smoke:
+        run.untrained = evaluate(run)  # the learning check's baseline: the initial weights' test loss
+        smoke_check(run, check_devices)  # before training: a missing chip is the first FAIL, whatever follows
 
 
-def report_bug(e):
-    """The line for an unexpected exception, a bug in your model say: its first line, and where it was raised in your
-    code or this file (a library's frames are left out). Its traceback is printed first: you need it."""
-    with contextlib.suppress(OSError):  # (a stderr whose reader died)
-        traceback.print_exception(e)
-    libraries = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib"))
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
-    where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
-    return f"failed: {type(e).__name__}: {first_line(e)} ({where}traceback above)"
+def start_epoch(run, epoch):
+    run.epoch, run.epoch_began = epoch, time.perf_counter()
+    run.compiles_at_start, run.transfers_at_start = compiles()[0], transfers()
 
 
-def free_port():  # one that nothing on this machine listens on now. gRPC shares a port silently (SO_REUSEPORT).
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def on_time(run, epoch, step):  # --save-minutes: every run.save_every steps, once the first epoch has been timed
+    return run.save_every is not None and ((epoch - 1) * run.steps + step) % run.save_every == 0
+
+
+def scalar(run, name, value, step):  # TensorBoard's x axis counts steps over every epoch.
+    if run.board is not None and value is not None:  # (an epoch too short to time has no samples/s)
+        run.board.add_scalar(name, value, (run.epoch - 1) * run.steps + step)
+
+
+def count_recompiles(run):  # at the epoch's end, before its evaluation compiles
+    recompiles = 0
+    if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
+        recompiles = compiles()[0] - run.warm_compiles
+    run.recompiles = int(agree(run, [recompiles])[0])  # the most of any replica, which --max-recompiles tests
+    run.epoch_seconds = time.perf_counter() - run.epoch_began
+
+
+def count_epoch(run, row):
+    """After the epoch's evaluation: its counters in its row and a line, and TensorBoard's scalars."""
+    if run.warm_compiles is None:
+        run.warm_compiles = compiles()[0]  # counted after the first evaluation, whose graph is part of the warm-up
+    total, seconds = compiles()
+    # This process's compiles, as the line says. run.recompiles, which --max-recompiles tests, is the most of any.
+    row.update(compiles=total - run.compiles_at_start, recompiles=total - run.warm_compiles)
+    row.update(fallback_ops=fallback_ops(), transfers=transfers() - run.transfers_at_start)
+    counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
+    compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['fallback_ops']}"
+    say(run, f"epoch {run.epoch} compiles in this process | {compiled} | device-to-host reads {row['transfers']}")
+    for name in ("test_loss", "accuracy", "samples_per_s"):
+        scalar(
+            run,
+            {"test_loss": "test/loss", "accuracy": "test/accuracy"}.get(name, f"train/{name}"),
+            row[name],
+            run.steps,
+        )
+    if run.board is not None:
+        run.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
+    if run.save_every is None and run.args.save_minutes:  # On time from the first epoch trained here, as it took.
+        seconds = float(agree(run, [run.epoch_seconds / run.steps])[0])  # the slowest replica's: one interval for all
+        run.save_every = max(1, int(60 * run.args.save_minutes / seconds))
+
+
+def check_recompiles(run):  # after the epoch's checkpoint: --max-recompiles (--smoke: its check)
+    limit = run.args.max_recompiles
+    if limit is not None and run.recompiles > limit and not run.args.smoke:
+        why = f"{run.recompiles} graphs compiled after warm-up (the first epoch trained here)"
+        raise Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
+
+
+def stopping(run, signum):  # The stop's signal: the launcher's own, which it passed on as SIGTERM to the service.
+    run.control.set_stage(run.rank, "stopping")  # Saved: the launcher's grace no longer applies.
+    if run.service:
+        return run.control.stop_signal() or signum
+    return max(signum, run.control.stop_signal())  # SIGTERM, if it came with a SIGHUP taken first (on_signal)
+
+
+def converted(run, path, ckpt, done):
+    """After a resume loads: the check of what it computes (exit 4), then in the other format a save in this one's."""
+    test = verify(run, path, ckpt)
+    if store(path).isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
+        xm.set_rng_state(ckpt["rng"], run.device)  # (which the evaluation moved on: saved as it was)
+        saved = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
+        say(run, f"resume | converted, saved as {saved}")
+
+
+def finish(run):
+    run.control.set_stage(run.rank, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
+    if run.board is not None:
+        run.board.close()
+    if run.args.smoke:
+        smoke_verdict(run)
+
+
+def agree(run, values):
+    """The largest of `values` over the replicas, so that all decide alike. It waits for the step just launched."""
+    values = torch.as_tensor(values, dtype=torch.float32)  # TPUs all-reduce no int64 (pytorch/xla#1952).
+    if run.world == 1:
+        return values
+    torch_xla.sync()  # It launches the pending step first, as MpDeviceLoader would: the step's graph stays the same.
+    return xm.all_reduce(xm.REDUCE_MAX, values.to(run.device)).cpu()
 
 
 def first_line(e):  # (its type's name if the message is empty)
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-# ---- a replica's first weights, the loaders' pieces, and layerdrop's coins ------------------------------------------
-def initial_model(args):
-    """The model's first weights come from --seed alone, so they are the same on every replica and in every run. Every
-    model is built here: TPU v2/v3 run two replica threads, which share the global RNG, and a build draws from it."""
-    with ONE_REPLICA_AT_A_TIME:
-        torch.manual_seed(args.seed)
-        return build_model(args)
-
-
-def broadcast(run, tensors):
-    """Every replica takes the master's float tensors, in place: TPUs all-reduce no int64 (pytorch/xla#1952)."""
-    floats = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
-    if run.world == 1 or not floats:
-        return
-    xm.collective_broadcast(floats)
-    torch_xla.sync()
-
-
-class InMemory(TensorDataset):
-    """Tensors in memory. DataLoader asks for a batch's samples at once (__getitems__): one indexing, not one each."""
-
-    def __init__(self, *tensors, smoke_target=None):
-        super().__init__(*tensors)
-        self.smoke_target = smoke_target  # what check_learning asks of data it knows
-
-    def __getitems__(self, indices):
-        return [t[indices] for t in self.tensors]
-
-
-def worker_start(worker_id):  # A DataLoader worker leaves a stop signal to its replica, which saves, then ends it.
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def padded(run, batches):
-    """The test batches, the last filled up with copies of a sample marked valid=0: one shape (one graph) for all."""
-    for x, y in batches:
-        fill = torch.arange(run.load_batch).clamp(max=len(y) - 1)  # (a whole batch: its own order)
-        yield x[fill], y[fill], (torch.arange(run.load_batch) < len(y)).float()
-
-
 def first_batch(run):  # the test set's first samples, alike on every replica: what the checks compute on
     return next(iter(loader(run, run.test.dataset, range(min(run.load_batch, len(run.test.dataset))))))
-
-
-def layerdrop_keep(run, epoch, step):
-    """The step's fc2 decisions, from (seed, epoch, step) only: one graph on every replica; a resume repeats them."""
-    args = run.args
-    if args.layerdrop == "off":
-        return None
-    coins = np.random.default_rng([args.seed, epoch, step]).random(run.model.depth)
-    keep = coins >= args.layerdrop_prob  # each application kept with probability 1 - layerdrop_prob
-    if args.layerdrop == "dynamic":
-        return keep.tolist()
-    return torch.tensor(keep, device=run.device)
-
-
-# ---- logging: the lines, TensorBoard, compiles -----------------------------------------------------------------------
-TestResult = collections.namedtuple("TestResult", "loss accuracy samples")  # what evaluate() returns
-WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
-
-
-class Log:
-    """The master's output: a line at each log boundary and two at each epoch's end, and TensorBoard scalars. A
-    boundary's loss is read back at the next: that step finished long ago, so the loop does not wait for the device."""
-
-    def __init__(self, run):
-        self.run = run
-        self.unread = []  # (boundary step, its loss on the device), not yet read back
-        mode = "SPMD" if run.mesh is not None else "a replica each"
-        sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {run.args.lr}"
-        writer = f"out {run.out_dir}, written by ordinal 0 on {os.uname().nodename}"
-        if not run.control.in_process:
-            writer += f" | coordination service port {run.control.port}"
-        run.say(f"{run.kind} | {sizes} | {run.steps} steps per epoch | {writer}")
-        self.board = None  # TensorBoard's scalars, in the run folder, if the package is there (it is no requirement)
-        if run.master:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                run.say("tensorboard | not installed: no scalars written (pip install tensorboard)")
-            else:
-                self.board = SummaryWriter(log_folder(run.out_dir))
-
-    def start_epoch(self, epoch, skip):
-        self.epoch = epoch
-        self.timed_from = skip + WARMUP_STEPS  # samples/s counts the steps after this one.
-        self.started = None  # when step timed_from's graph launched
-        self.began, self.skip = time.perf_counter(), skip  # (for step_seconds)
-        self.previous = skip  # the last boundary's step
-        self.compiles_at_start, self.transfers_at_start = compiles()[0], transfers()
-
-    def is_boundary(self, step):
-        return step % self.run.args.log_steps == 0 or step == self.run.steps
-
-    def add(self, step, loss, lr):
-        """After each step is traced. MpDeviceLoader launched the steps before it, so the clock starts here."""
-        if step == self.timed_from + 1:
-            self.started = time.perf_counter()
-        if self.is_boundary(step):  # Only a boundary's loss is read back: one transfer each, whatever the steps.
-            self.unread.append((step, loss, lr))
-            self.read(upto=self.previous)
-            self.previous = step
-
-    def drain(self):  # Waits for every step launched to finish, and reads back their losses.
-        torch_xla.sync()
-        self.read()
-        self.finished = time.perf_counter()
-
-    def read(self, upto=math.inf):
-        """Reads back the boundaries' losses up to step `upto`, to their lines, TensorBoard and the history. Each is
-        then freed: live tensors slow every graph cut a little more."""
-        while self.unread and self.unread[0][0] <= upto:
-            step, tensor, lr = self.unread.pop(0)
-            loss = float(tensor.cpu())
-            self.scalar("train/loss", loss, step)
-            self.scalar("train/lr", lr, step)
-            self.run.history.append(dict(epoch=self.epoch, step=step, loss=loss, lr=lr))
-            self.run.say(f"epoch {self.epoch} step {step}/{self.run.steps} | loss {loss:.4f}")
-
-    def end_epoch(self, test):
-        """Prints the epoch's two lines, and returns its row for the run's epochs."""
-        run = self.run
-        rate = None
-        if run.steps > self.timed_from:  # The warm-up steps are left out (the --save-steps saves are not).
-            rate = (run.steps - self.timed_from) * run.global_batch / (self.finished - self.started)
-        speed = "untimed" if rate is None else f"{rate:,.0f} samples/s"
-        tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
-        run.say(f"epoch {self.epoch} done | {tested} | {speed}")
-        total, seconds = compiles()
-        row = dict(epoch=self.epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate)
-        # This process's compiles, as the line says. run.recompiles, which --max-recompiles tests, is the most of any.
-        row.update(compiles=total - self.compiles_at_start, recompiles=total - run.warm_compiles)
-        row.update(fallback_ops=fallback_ops(), transfers=transfers() - self.transfers_at_start)
-        counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
-        compiled = f"{counts} | {seconds:.1f} s compiling in all | CPU fallback ops: {row['fallback_ops']}"
-        run.say(f"epoch {self.epoch} compiles in this process | {compiled} | device-to-host reads {row['transfers']}")
-        for name, value in (("test/loss", test.loss), ("test/accuracy", test.accuracy), ("train/samples_per_s", rate)):
-            if value is not None:  # (an epoch too short to time has no samples/s)
-                self.scalar(name, value, run.steps)
-        if self.board is not None:
-            self.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
-        return row
-
-    def step_seconds(self):  # the epoch's seconds per step, its compilations too
-        return (self.finished - self.began) / max(1, self.run.steps - self.skip)
-
-    def scalar(self, name, value, step):  # TensorBoard's x axis counts steps over every epoch.
-        if self.board is not None:
-            self.board.add_scalar(name, value, (self.epoch - 1) * self.run.steps + step)
-
-    def close(self):
-        if self.board is not None:
-            self.board.close()
 
 
 def compiles():  # graphs compiled in this process so far, and the seconds it took (torch_xla's metrics)
@@ -800,209 +1050,14 @@ def fallback_ops():  # Ops run on the host for want of an XLA lowering. `.item()
     return ", ".join(f"{n} x{met.counter_value(n)}" for n in names) or "none"
 
 
-# ---- checkpoints: one dict, two formats ------------------------------------------------------------------------------
-# One dict, named checkpoint-EEEE-SSSSSSSSS by its position (the epoch to train next, the samples of it done). A replica
-# per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
-# perf/spmd_distributed_checkpoint). xm.save's, loaded naively into an SPMD model, can compute something else
-# (pytorch/xla#6660): --resume converts either format and checks the saved test loss.
-# Every flag is a setting, which a resume takes unless it is given again (a flag you add too), but for these: where and
-# how this process runs.
-NOT_SETTINGS = ("resume", "out_dir", "cores", "spmd", "smoke", "smoke_timeout", "coordinator_port", "workers", "given")
-KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
-
-
-def save(run, *, next_epoch, steps_done, test=None):
-    """Saves the run at its position, with the test loss just measured (None on a stop). Returns the path."""
-    # Samples, not steps: a resume with another batch size finds no whole step and refuses, rather than start elsewhere.
-    samples = steps_done * run.global_batch
-    broadcast(run, run.model.buffers())  # the master's BatchNorm statistics, saved: every replica goes on with them
-    ckpt = {
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "schedule": run.schedule.state_dict(),
-        "epoch": next_epoch,
-        "samples": samples,
-        "device": run.kind,
-        "test_loss": None if test is None else test.loss,
-        "history": run.history,
-        "epochs": run.epochs,
-        "settings": settings(run.args),
-        "rng": xm.get_rng_state(run.device),  # read on the host: the seed of the next step's random ops, dropout's
-    }
-    name = f"checkpoint-{next_epoch:04d}-{samples:09d}" + (".pt" if run.mesh is None else "")
-    path = f"{run.out_dir}/{name}"
-    # Written whole on this machine first, as NAME.tmp in the run folder (a bucket's: in its folder of logs here).
-    written = os.path.join(log_folder(run.out_dir), name + ".tmp")
-    if run.mesh is None:
-        xm.save(ckpt, written, master_only=True, global_master=True)  # Only the global master writes.
-    else:
-        shutil.rmtree(written, ignore_errors=True)
-        with quietly():  # DCP warns that no process group is set: this one process is the whole run.
-            dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
-    if run.master:
-        if is_url(run.out_dir):
-            upload(written, path)
-        else:  # A kill mid-write, or before this line, leaves the last whole checkpoints.
-            shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
-            os.replace(written, path)
-        named = {"checkpoint": name, "settings": ckpt["settings"]}  # and whose they are
-        write_json(f"{run.out_dir}/settings.json", named)
-        for old in checkpoints(run.out_dir)[:-KEEP_CHECKPOINTS]:
-            store(old).rm(old, recursive=True)
-        upload_logs(run.out_dir, run.control.launched)
-    return path
-
-
-# ---- the run folder: on this machine's disk, or in a Cloud Storage bucket -------------------------------------------
-# A spot or preemptible TPU VM is deleted when preempted, its disk too: --out-dir gs://BUCKET/RUN keeps the run. Its
-# checkpoints and settings.json go there through fsspec (gcsfs); its logs, as GCS objects cannot be appended to, are
-# written here in runs/gs/BUCKET/RUN and copied there at each checkpoint and at the end. Other fsspec URLs: untested.
-def is_url(path):
-    return "://" in str(path)
-
-
-def store(path):  # fsspec's file system for a path: the local disk's, or gcsfs's for gs://
-    try:  # No cache of listings: other processes and hosts write in the same folder.
-        return fsspec.core.url_to_fs(path, use_listings_cache=False)[0]
-    except ImportError as e:  # (fsspec's message names the package)
-        raise Exit(2, f"error: {path}: {first_line(e).strip()}") from e
-
-
-def absolute(path):
-    return path if is_url(path) else os.path.abspath(path)
-
-
-def log_folder(out_dir):  # where this machine writes the run's logs
-    return os.path.join("runs", out_dir.replace("://", "/", 1)) if is_url(out_dir) else out_dir
-
-
-def upload(written, path):
-    """Puts a checkpoint written here into the bucket under its name: an object appears whole or not at all, and a DCP
-    folder counts once its .metadata is there, which goes last."""
-    fs = store(path)
-    if os.path.isdir(written):
-        names = sorted(os.listdir(written), key=lambda n: n == ".metadata")
-        fs.put([f"{written}/{n}" for n in names[:-1]], [f"{path}/{n}" for n in names[:-1]])
-        fs.put_file(f"{written}/{names[-1]}", f"{path}/{names[-1]}")
-        shutil.rmtree(written)
-    else:
-        fs.put_file(written, path)
-        os.remove(written)
-
-
 def upload_logs(out_dir, since):
     """Copies the logs that this machine wrote since `since` (a time) into the bucket, whole."""
-    if not is_url(out_dir):
+    folder = local_folder(out_dir)
+    if "://" not in out_dir or not os.path.isdir(folder):
         return
-    folder = log_folder(out_dir)
     names = [n for n in os.listdir(folder) if not n.endswith(".tmp") and os.path.getmtime(f"{folder}/{n}") >= since]
     with contextlib.suppress(Exception):  # A copy of the logs: a failure here must not end the run.
         store(out_dir).put([f"{folder}/{n}" for n in names], [f"{out_dir}/{n}" for n in names])
-
-
-def settings(args):  # what a resume takes of this run's flags
-    return {name: value for name, value in vars(args).items() if name not in NOT_SETTINGS}
-
-
-def checkpoints(folder):
-    """A run folder's whole checkpoints, the newest last: no *.tmp (being written), no DCP folder without .metadata
-    (written last)."""
-    fs = store(folder)
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
-    paths = [f"{folder}/{n}" for n in names if n.startswith("checkpoint-") and not n.endswith(".tmp")]
-    # Newest by the store's write time, not by name: a run resumed from an older checkpoint goes on in the same folder.
-    # One that the master deletes meanwhile (the launcher's look for --save-minutes can come then) is left out.
-    written = {}
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            written[path] = fs.modified(path if path.endswith(".pt") else f"{path}/.metadata")
-    return sorted(written, key=lambda p: (written[p], p))
-
-
-def find_checkpoint(path):
-    """What --resume PATH names: a checkpoint, or the newest in a run folder."""
-    fs = store(path)
-    try:
-        if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
-            return path
-        found = checkpoints(path) if fs.isdir(path) else []
-    except Exception as e:  # gcsfs's: no credentials, say
-        raise Exit(2, f"error: --resume {path}: {type(e).__name__}: {first_line(e)}") from e
-    if not found:
-        raise Exit(2, f"error: --resume {path}: no checkpoint there")
-    return found[-1]
-
-
-def saved_settings(path):
-    """The settings saved with --resume PATH: settings.json beside it if it names it (no loading), else its own."""
-    ckpt = find_checkpoint(path)
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
-        saved = read_json(f"{os.path.dirname(ckpt)}/settings.json")
-        if saved["checkpoint"] == os.path.basename(ckpt):
-            return dict(saved["settings"])
-    return load_checkpoint(ckpt)["settings"]
-
-
-def load_checkpoint(path):
-    """Reads a checkpoint in either format as the one dict that torch.load gives for a file."""
-    fs = store(path)
-    try:
-        if fs.isdir(path):
-            with tempfile.TemporaryDirectory() as tmp, quietly():
-                if is_url(path):  # (a bucket's, fetched first)
-                    fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
-                dcp_to_torch_save(f"{tmp}/dcp" if is_url(path) else path, f"{tmp}/c.pt")
-                ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
-            # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
-            ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
-        else:
-            with fs.open(path, "rb") as f:
-                ckpt = torch.load(f, map_location="cpu", weights_only=True)
-        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings", "rng"} <= ckpt.keys():
-            raise KeyError("not the keys of a train_tpu.py checkpoint")
-    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
-        why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
-        raise Exit(2, f"error: checkpoint {path}: {why}") from e
-    return ckpt
-
-
-def resume(run):
-    """Loads --resume and verifies it, saving it in this mode's format if need be. Returns (epoch, steps of it done)."""
-    args = run.args
-    if not args.resume:
-        return 1, 0
-    path = find_checkpoint(args.resume)
-    ckpt = load_checkpoint(path)
-    try:
-        run.model.load_state_dict(ckpt["model"])  # onto the device; under SPMD, replicated
-        run.optimizer.load_state_dict(ckpt["optimizer"])
-    except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
-        why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
-        raise Exit(2, f"error: --resume {path}: {why}") from e
-    for group in run.optimizer.param_groups:  # as saved (Adam's betas, say), but for a momentum given again
-        group.update({"momentum": args.momentum} if "momentum" in args.given and "momentum" in group else {})
-    done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
-    if rest or done >= run.steps:
-        why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
-        raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
-    # The schedule goes on as saved. --lr, --epochs or --steps-per-epoch given again reshape it, from the saved step on
-    # (as does a checkpoint saved before it had one).
-    if "schedule" in ckpt and not {"lr", "epochs", "steps_per_epoch"} & args.given:
-        run.schedule.load_state_dict(ckpt["schedule"])
-    else:  # (PyTorch warns of a schedule's first step before the optimizer's: here it is a move to the saved step)
-        run.schedule.last_epoch = (ckpt["epoch"] - 1) * run.steps + done - 1
-        with warnings.catch_warnings(action="ignore"):
-            run.schedule.step()
-    run.history, run.epochs = ckpt["history"], ckpt["epochs"]
-    test = verify(run, path, ckpt)
-    # Every torch_xla.sync() moves the device's RNG on, the evaluation's in verify() too: set now, dropout goes on with
-    # the masks it would have drawn.
-    xm.set_rng_state(ckpt["rng"], run.device)
-    if store(path).isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
-        converted = save(run, next_epoch=ckpt["epoch"], steps_done=done, test=test)
-        run.say(f"resume | converted, saved as {converted}")
-    run.say(f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
-    return ckpt["epoch"], done
 
 
 def verify(run, path, ckpt):
@@ -1019,16 +1074,16 @@ def verify(run, path, ckpt):
             diff = float((run.model(x.to(run.device)).cpu() - logits).norm() / logits.norm())
         run.model.train()
         tol = tolerance(run)
-        run.say(f"resume check | saved on a stop: one test batch's logits, device vs eager CPU {diff:.1e} ({tol:.0e})")
+        say(run, f"resume check | saved on a stop: one test batch's logits, device vs eager CPU {diff:.1e} ({tol:.0e})")
         if not diff <= tol:
             raise Exit(4, f"failed: resume check: {path} computes other logits here than in eager PyTorch ({diff:.1e})")
         return None
     if (ckpt["settings"]["data"], ckpt["settings"]["data_dir"]) != (run.args.data, run.args.data_dir):
-        run.say("resume check | skipped: the checkpoint was evaluated on other --data")
+        say(run, "resume check | skipped: the checkpoint was evaluated on other --data")
         return None
     test = evaluate(run)
     tol = tolerance(run, other_device=ckpt["device"])
-    run.say(f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
+    say(run, f"resume check | test loss saved {saved:.6f}, now {test.loss:.6f} (tolerance {tol:.0e})")
     if not abs(test.loss - saved) <= tol:  # (written so that a NaN fails too)
         raise Exit(4, f"failed: resume check: {path} gives test loss {test.loss:.6f}, and was saved at {saved:.6f}")
     return test
@@ -1080,22 +1135,18 @@ class Control:
         self.seen = {}  # {process id: process}: every replica process seen, kept after it ends
         self.ended = None  # the Exit of a run that the launcher ended
         self.signalled = (None, 0.0)  # the first stop signal, and when it came
-        self.signum = 0  # the stop signal's number, for a replica in this process
         self.grace_ends = math.inf  # when a stop signal's grace is over
         self.lock = threading.Lock()
         self.verdict = None  # the Exit of a smoke verdict the launcher wrote
-        self.joined, self.highest, self.stop_step = False, 0, None  # a replica process's: the service, its steps
-        self.launched, self.closed = time.time(), False
-        self.port = args.coordinator_port or (8547 if hosts > 1 else free_port())  # torch_xla's default on a slice
+        self.launched, self.closed, self.orphans_watched = time.time(), False, False
         self.woken = threading.Event()  # set by a signal: the watch answers at once
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
-        keep = ("args", "out_dir", "folder", "host", "hosts", "in_process", "joined", "highest", "stop_step", "port")
-        keep += ("from_python", "launched")
-        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={}, signum=0)
+        keep = ("args", "out_dir", "folder", "host", "hosts", "in_process", "from_python", "launched")
+        return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={})
 
     def __setstate__(self, state):
-        self.__dict__.update(state, lock=threading.Lock())  # one per replica process: its replica threads share it
+        self.__dict__.update(state, lock=threading.Lock(), orphans_watched=False)  # one a replica process
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
@@ -1110,43 +1161,14 @@ class Control:
         return dict(sorted(ranks.items()))
 
     # The replicas' side.
-    def coordinate(self, kind):
-        """Joins XLA's coordination service, as torch_xla's CheckpointManager does (its source: experimental/
-        distributed_checkpoint/manager.py), once per process. Its PreemptionSyncManager takes SIGTERM over libtpu's
-        handler and the one set at import, and makes every process stop at one step (`stop_asked`)."""
+    def orphan_watch(self):  # once a replica process: once the service takes SIGTERM, it ends with its launcher
         with self.lock:
-            if self.joined:
-                return
-            os.environ.setdefault("DIST_SERVICE_HEARTBEAT_INTERVAL_IN_SEC", str(HEARTBEAT))
-            master = tpu.get_worker_ips()[0] if kind == "TPU" else "localhost"  # the host of process 0 (worker 0)
-            index, count = xr.process_index(), xr.process_count()
-            torch_xla._XLAC._ensure_xla_coordinator_initialized(index, count, master, str(self.port))
-            torch_xla._XLAC._activate_preemption_sync_manager()
-            self.joined = True
-            threading.Thread(target=end_if_orphaned, name="train_tpu orphaned", daemon=True).start()
-            # The service never shuts down, and to it an exit looks like a death; when its host, process 0, ends first,
-            # the others abort. So process 0 ends last, and the others at once, skipping the runtime's slow teardown.
-            if index == 0 and count > 1:
-                atexit.register(time.sleep, 3)
-            elif index > 0:
-                atexit.register(os._exit, 0)
-
-    def stop_asked(self, step):
-        """After each step (counted over the epochs): the stop signal's number at the step to stop at, else None. In
-        a replica process, the service names that step; its two replica threads (v2/v3) tell it only the higher step."""
-        if self.in_process:
-            return self.signum or None
-        with self.lock:
-            if step > self.highest:
-                self.highest = step
-                if torch_xla._XLAC._sync_point_reached(step):  # 0.2 us, no wait, until a SIGTERM came to any process
-                    self.stop_step = step
-        if self.stop_step is None or step < self.stop_step:
-            return None
-        return self.stop_signal() or signal.SIGTERM
+            if not self.orphans_watched:
+                threading.Thread(target=end_if_orphaned, name="train_tpu orphaned", daemon=True).start()
+                self.orphans_watched = True
 
     def stop_signal(self):  # the number of the signal the launcher took, or 0
-        return self.signum or self.read("stop").get("stop", 0)
+        return STOP.signum or self.read("stop").get("stop", 0)
 
     def set_stage(self, rank, stage):  # The launcher learns its process, device and how far it got.
         self.progress[rank] += 1
@@ -1158,8 +1180,13 @@ class Control:
 
     # The launcher's side.
     def __enter__(self):
+        global CONTROL
         os.environ["TRAIN_TPU_LAUNCHER"] = str(os.getpid())  # how a replica process knows its launcher at import
-        os.environ["TRAIN_TPU_CONTROL"] = self.folder  # and where to report an error before _mp_fn runs
+        os.environ["TRAIN_TPU_CONTROL"] = self.folder  # and where it finds this Control's copy, and reports an error
+        os.environ.setdefault("DIST_SERVICE_HEARTBEAT_INTERVAL_IN_SEC", str(HEARTBEAT))  # (read as the service starts)
+        with open(os.path.join(self.folder, "control.pkl"), "wb") as f:
+            pickle.dump(self, f)
+        CONTROL = self
         with contextlib.suppress(FileNotFoundError):  # this host's end of an earlier launch
             store(self.out_dir).rm(f"{self.out_dir}/ended-host-{self.host}")
         self.handlers = {}
@@ -1170,12 +1197,19 @@ class Control:
         return self
 
     def __exit__(self, kind, e, traceback):
+        """Ends the launch. What xmp.spawn raised becomes the Exit that says why: every replica's Exit, or one that
+        the launcher ended the run with, or a bug in the only replica."""
+        global CONTROL
+        ended = self.exit_for(e, LAUNCHER.get("kind", "CPU")) if isinstance(e, Exception) else e
         self.closed = True  # The watch ends: its folder goes.
+        CONTROL = None
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
         for name in ("TRAIN_TPU_LAUNCHER", "TRAIN_TPU_CONTROL"):  # A process this one starts later is no replica.
             os.environ.pop(name, None)
         shutil.rmtree(self.folder, ignore_errors=True)
+        if ended is not e:
+            raise ended from e
 
     def on_signal(self, signum, frame):  # The first signal asks every replica to save and stop at one step.
         if self.ended is not None and self.from_python:
@@ -1184,7 +1218,7 @@ class Control:
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
-                self.signum = signum
+                STOP.signum = signum
                 self.write("stop", signum)
                 self.start_grace(signum)
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
@@ -1195,7 +1229,7 @@ class Control:
         elif stages <= {"setup", "devices"}:  # Every replica is before training, or none has started: nothing to save.
             self.end(self.conclude(Exit(128 + signum, f"stopped by {name} before training began: nothing to save")))
         else:
-            self.signum = signum
+            STOP.signum = signum
             self.write("stop", signum)
             for child in self.children():  # Their coordination service takes it: one step, on every host.
                 os.kill(child.pid, signal.SIGTERM)
@@ -1271,7 +1305,7 @@ class Control:
             os._exit(ended.code)
 
     def deadline_passed(self, replicas):  # The replicas furthest behind FAIL: the others wait for them in a collective.
-        verdict = os.path.join(log_folder(self.out_dir), "verdict.json")
+        verdict = os.path.join(local_folder(self.out_dir), "verdict.json")
         if replicas and {stage for _, stage, *_ in replicas.values()} <= {"done", "ended"} and os.path.exists(verdict):
             code = 0 if read_json(verdict)["passed"] else 5  # The verdict is out; a join or a teardown hangs.
             return self.conclude(Exit(code, "the replica processes outlived --smoke-timeout after the verdict: killed"))
@@ -1300,7 +1334,7 @@ class Control:
                 checks = []  # the master's checks so far, and this row
                 if first:
                     with contextlib.suppress(FileNotFoundError):
-                        checks = read_json(os.path.join(log_folder(self.out_dir), "checks.json"))
+                        checks = read_json(os.path.join(local_folder(self.out_dir), "checks.json"))
                     publish(self.out_dir, [*checks, dict(name=stage, passed=False, figure=figure)])
                 self.verdict = Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
             return self.verdict
@@ -1342,13 +1376,13 @@ def end_if_orphaned():  # in a replica process once the service takes SIGTERM: i
 
 
 def run_replica_process(local_rank, *args, **kwargs):
-    """torch_xla's _run_thread_per_device starts the runtime (a chip held by another process fails there), then _mp_fn.
+    """torch_xla's _run_thread_per_device starts the runtime (a chip held by another process fails there), then train.
     xmp.spawn's pool raises in process order: an error here would wait behind replicas that wait for it. Report now."""
     try:
         return RUN_THREAD_PER_DEVICE(local_rank, *args, **kwargs)
     except Exception as e:
-        if any(frame.f_code.co_name == "_mp_fn" for frame, _ in traceback.walk_tb(e.__traceback__)):
-            raise  # an error of _mp_fn's own, which it has handled
+        if any(frame.f_code.co_name == "train" for frame, _ in traceback.walk_tb(e.__traceback__)):
+            raise  # an error under the replica's watch (watched()), which reported it
         why = f"replica process {local_rank} (its local rank) failed to start: {type(e).__name__}: {first_line(e)}"
         write_json(os.path.join(os.environ["TRAIN_TPU_CONTROL"], f"failed-p{local_rank}"), [1, why, "setup"])
         raise  # (the pool's worker lives on, idle)
@@ -1363,17 +1397,6 @@ if REPLICA_PROCESS and XLA_IMPORT_ERROR is None:
 
 
 # ---- the run's end, and the smoke verdict: is this machine fit to train on? ------------------------------------------
-def finish(run):
-    run.control.set_stage(run.rank, "finishing")  # Past the last checkpoint, a stop signal no longer ends the run.
-    accuracy = run.epochs[-1]["accuracy"]
-    run.say(f"done | {run.args.epochs} epochs | test accuracy {accuracy:.2f}%")
-    if run.args.smoke:
-        smoke_verdict(run)
-    elif accuracy < run.args.target_accuracy:
-        why = f"test accuracy {accuracy:.2f}% is below --target-accuracy {run.args.target_accuracy:g}"
-        raise Exit(21, f"failed: {why}")
-
-
 def smoke_verdict(run):  # The checks after training. One FAILs if it failed on any replica; then exit 5.
     if run.control.hosts > 1:  # Every replica learns each one's host and device, which the rows name.
         places = torch.zeros(run.world, 2)
@@ -1407,7 +1430,9 @@ def smoke_shaped(model, data):
     if getattr(data, "smoke_target", None) is None or conv is None or conv.in_channels == data.tensors[0].shape[1]:
         return data
     images, labels = data.tensors
-    return InMemory(images.expand(-1, conv.in_channels, -1, -1), labels, smoke_target=data.smoke_target)
+    shaped = InMemory(images.expand(-1, conv.in_channels, -1, -1), labels)
+    shaped.smoke_target = data.smoke_target
+    return shaped
 
 
 def smoke_training_set(run, data):
@@ -1417,7 +1442,7 @@ def smoke_training_set(run, data):
     if len(data) >= need or getattr(data, "smoke_target", None) is None:  # Your own data is read as it is.
         return data
     steps = f"{run.args.epochs} epochs of {run.args.steps_per_epoch} steps of {run.global_batch}"
-    run.say(f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
+    say(run, f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
     return torch.utils.data.Subset(data, [i % len(data) for i in range(need)])
 
 
@@ -1428,7 +1453,7 @@ def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (Non
     run.checks.append(dict(name=name, passed=passed, figure=figure))
     if run.master:
         write_json(
-            os.path.join(log_folder(run.out_dir), "checks.json"), run.checks
+            os.path.join(local_folder(run.out_dir), "checks.json"), run.checks
         )  # for a verdict that a launcher writes
 
 
@@ -1706,26 +1731,15 @@ def publish(out_dir, checks):
     passed = all(c["passed"] is not False for c in checks)
     rows = [f"  {mark[c['passed']]}  {c['name']:<12} {c['figure']}" for c in checks]
     tell(out_dir, "\n".join(["smoke verdict", *rows, f"smoke verdict: {mark[passed]}"]))
-    write_json(os.path.join(log_folder(out_dir), "verdict.json"), {"passed": passed, "checks": checks})
+    write_json(os.path.join(local_folder(out_dir), "verdict.json"), {"passed": passed, "checks": checks})
 
 
 # ---- small helpers ---------------------------------------------------------------------------------------------------
-ONE_REPLICA_AT_A_TIME = threading.RLock()  # TPU v2/v3's two replica threads share the RNG, sys.stdout and warnings.
-
-
-@contextlib.contextmanager
-def quietly():
-    """Silences torchvision's download attempts and DCP's notices: the whole process, the other v2/v3 replica too."""
-    with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
-        with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
-            yield
-
-
 def tell(out_dir, line, stream=None, log="log.txt"):  # Prints a line, and keeps it in OUT/log.txt (or another log).
     with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
         print(line, file=stream or sys.stdout, flush=True)
     if out_dir is not None:
-        with contextlib.suppress(OSError), open(os.path.join(log_folder(out_dir), log), "a") as f:  # (a full disk)
+        with contextlib.suppress(OSError), open(os.path.join(local_folder(out_dir), log), "a") as f:  # (a full disk)
             f.write(line + "\n")
 
 
@@ -1735,7 +1749,7 @@ def read_json(path):
 
 
 def write_json(path, data):  # Whole or not at all, as another process may read it at any moment.
-    if is_url(path):  # (an object is)
+    if "://" in str(path):  # (an object is)
         return store(path).pipe_file(path, json.dumps(data, indent=1).encode())
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # its own, should two threads write one file at once
     with open(tmp, "w") as f:
@@ -1743,44 +1757,103 @@ def write_json(path, data):  # Whole or not at all, as another process may read 
     os.replace(tmp, path)
 
 
-def synthetic_digits(n, seed):
-    """Ten random stroke patterns, one per class, each shifted by up to 8 pixels on noise. A fixed pixel template per
-    class does poorly on them; a CNN learns them. Deterministic for (n, seed)."""
-    g = torch.Generator().manual_seed(seed)
-    glyphs = (torch.rand(10, 14, 14, generator=torch.Generator().manual_seed(0)) < 0.3).float()  # alike in both splits
-    labels = torch.randint(0, 10, (n,), generator=g)
-    images = torch.rand(n, 28, 28, generator=g) * 0.3
-    shifts = torch.randint(0, 9, (n, 2), generator=g)
-    rows = 3 + shifts[:, 0, None, None] + torch.arange(14)[:, None]  # each sample's glyph: its 14 x 14 pixels
-    cols = 3 + shifts[:, 1, None, None] + torch.arange(14)
-    images[torch.arange(n)[:, None, None], rows, cols] += glyphs[labels] * 0.7
-    return (images.clamp(0, 1) * 255).to(torch.uint8).unsqueeze(1), labels
+# ---- the launcher's instruments, and the run's end ------------------------------------------------------------------
+def launching(args):  # the run control over this launcher's replicas: a Control
+    if "://" in args.out_dir:  # A resume on a new VM goes on with the logs that the bucket keeps.
+        fs = store(args.out_dir)
+        for log in fs.glob(f"{args.out_dir}/log*.txt"):
+            if not os.path.exists(local := os.path.join(local_folder(args.out_dir), os.path.basename(log))):
+                fs.get(log, local)
+    LAUNCHER["prepared"] = time.time()  # A bucket gets the logs written here from now: not those fetched.
+    return Control(args, args.out_dir, LAUNCHER["host"], LAUNCHER["hosts"], from_python=FIT.running)
 
 
-# ---- from Python: the results back in the caller ---------------------------------------------------------------------
+def ended(args, code, line):
+    """The run's last line, kept in its log (a slice: a log per host); a bucket gets the logs. fit() reads the end."""
+    FIT.end = (args, code, line)
+    out_dir = getattr(args, "out_dir", None)
+    if out_dir is None or "prepared" not in LAUNCHER:
+        return
+    if line is not None:
+        log = f"log-host-{LAUNCHER['host']}.txt" if LAUNCHER["hosts"] > 1 else "log.txt"
+        with contextlib.suppress(OSError), open(os.path.join(local_folder(out_dir), log), "a") as f:
+            f.write(f"train_tpu.py: {line}\n")
+    upload_logs(out_dir, LAUNCHER["prepared"])
+
+
+def saved(run):  # after each checkpoint, the master's scalars reach the disk, and its logs a bucket
+    if run.board is not None:
+        run.board.flush()
+    if run.master:
+        upload_logs(run.out_dir, run.control.launched)
+
+
+def log_scalars(run, row):  # a logged step's, in TensorBoard
+    scalar(run, "train/loss", row["loss"], row["step"])
+    scalar(run, "train/lr", row["lr"], row["step"])
+
+
+FIT = types.SimpleNamespace(running=False, end=None)  # fit(): whether it runs main(), and how main() ended
+
+
 def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict; never ends the process."""
-    args = parse_args(argv)
-    kind, out_dir, host, hosts = prepare(args)
-    started = time.time()
+    FIT.running, FIT.end = True, None
     try:
-        launch(args, kind, out_dir, host, hosts, from_python=True)
-    except Exit as e:
-        if e.code not in (0, 5):  # (0: the smoke deadline passed after a PASS verdict)
-            raise
+        main(argv)
     finally:
-        upload_logs(out_dir, started)
-    found = checkpoints(out_dir)  # none if a smoke deadline passed before the first
-    r = argparse.Namespace(model=None, history=[], epochs=[], verdict=None, out_dir=out_dir)
+        FIT.running = False
+    args, code, line = FIT.end
+    if code not in (0, 5):  # (0: the smoke deadline passed after a PASS verdict, or a success)
+        raise Exit(code, line)
+    found = checkpoints(args.out_dir)  # none if a smoke deadline passed before the first
+    r = argparse.Namespace(model=None, history=[], epochs=[], verdict=None, out_dir=args.out_dir)
     if found:
         ckpt = load_checkpoint(found[-1])
         r.model = initial_model(args)
         r.model.load_state_dict(ckpt["model"])
         r.history, r.epochs = ckpt["history"], ckpt["epochs"]
     if args.smoke:
-        r.verdict = read_json(os.path.join(log_folder(out_dir), "verdict.json"))
+        r.verdict = read_json(os.path.join(local_folder(args.out_dir), "verdict.json"))
     return r
+
+
+CONTROL = None  # this process's Control: the launcher's own, or in a replica process its copy
+
+
+def this_process_control():
+    global CONTROL
+    with ONE_REPLICA_AT_A_TIME:  # (TPU v2/v3: two replica threads share the process's)
+        if CONTROL is None:  # a replica process: the launcher's copy
+            with open(os.path.join(os.environ["TRAIN_TPU_CONTROL"], "control.pkl"), "rb") as f:
+                CONTROL = pickle.load(f)
+        return CONTROL
+
+
+HOOKS.update(
+    flags=add_flags,
+    parsed=check_flags,
+    prepare=prepare,
+    launch=launching,
+    replica=watched,
+    started=started,
+    data=smoke_data,
+    before_training=before_training,
+    training=lambda run: run.control.set_stage(run.rank, "training"),  # A stop signal now asks for a checkpoint.
+    epoch=start_epoch,
+    save_now=on_time,
+    logged=log_scalars,
+    epoch_end=count_recompiles,
+    epoch_row=count_epoch,
+    epoch_saved=check_recompiles,
+    saved=saved,
+    stopping=stopping,
+    resumed=converted,
+    finish=finish,
+    ended=ended,
+)
+# ==== end of the instruments =========================================================================================
 
 
 if __name__ == "__main__":
