@@ -1608,14 +1608,10 @@ def test_a_named_older_checkpoint_resumes_with_its_own_settings_and_the_newest_w
         ckpt = dict(model={}, optimizer={}, epoch=2, samples=0, history=[], epochs=[], settings=dict(lr=lr), rng=101)
         torch.save(ckpt, tmp_path / name)
         time.sleep(0.02)  # the newest is the last written
-    settings = dict(checkpoint="checkpoint-0003-000000000.pt", settings=dict(lr=0.2))  # written by the newest
-    (tmp_path / "settings.json").write_text(json.dumps(settings))  # (read without loading it: 0.2, not 0.25)
-    assert tt.parse_args(["--resume", tmp_path]).lr == 0.2
+    newest = tt.parse_args(["--resume", tmp_path])
+    assert (newest.lr, newest.resume) == (0.25, f"{tmp_path}/checkpoint-0003-000000000.pt")  # every replica loads it
     assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt"]).lr == 0.1
     assert tt.parse_args(["--resume", tmp_path / "checkpoint-0002-000000000.pt", "--lr", 0.3]).lr == 0.3
-    for damaged in ("{", "[1]", json.dumps(dict(checkpoint="checkpoint-0003-000000000.pt"))):  # the checkpoint's, then
-        (tmp_path / "settings.json").write_text(damaged)
-        assert tt.parse_args(["--resume", tmp_path]).lr == 0.25
 
 
 def test_with_one_epoch_the_compilation_check_says_there_is_nothing_to_count(monkeypatch):
@@ -1842,7 +1838,7 @@ def writes(runs, run):  # {object: the processes that wrote it} of a run in the 
 
 def test_the_newest_checkpoint_in_a_bucket_is_the_last_written_whatever_its_name(gcs):
     """As on a disk: a run resumed from an older checkpoint goes on in its folder. Neither a DCP folder without its
-    .metadata (being written) nor a .tmp counts; settings.json names the newest."""
+    .metadata (being written) nor a .tmp counts."""
     folder, fs = "gs://bucket/newest", bucket()
     names = ["checkpoint-0003-000000000.pt", "checkpoint-0002-000000000/.metadata", "checkpoint-0002-000000128.pt"]
     names += ["checkpoint-0001-000000000/__0_0.distcp", "checkpoint-0004-000000000.pt.tmp"]
@@ -1851,11 +1847,7 @@ def test_the_newest_checkpoint_in_a_bucket_is_the_last_written_whatever_its_name
         time.sleep(0.01)
     order = ["checkpoint-0003-000000000.pt", "checkpoint-0002-000000000", "checkpoint-0002-000000128.pt"]
     assert tt.checkpoints(folder) == [f"{folder}/{name}" for name in order]
-    settings = dict(checkpoint="checkpoint-0002-000000128.pt", settings=dict(lr=0.2))
-    fs.pipe_file(f"{folder}/settings.json", json.dumps(settings).encode())
-    assert tt.find_checkpoint(folder) == f"{folder}/checkpoint-0002-000000128.pt" and tt.saved_settings(folder) == {
-        "lr": 0.2
-    }
+    assert tt.find_checkpoint(folder) == f"{folder}/checkpoint-0002-000000128.pt"
 
 
 def test_a_bucket_that_is_not_there_nothing_to_resume_and_no_gcsfs_exit_2_in_one_line(gcs, capsys, monkeypatch):
@@ -2619,9 +2611,9 @@ def test_a_flag_you_add_is_a_setting_that_a_resume_keeps_unless_given_again(tmp_
     spec.loader.exec_module(mine)
     run = tmp_path / "run"
     run.mkdir()
-    (run / "checkpoint-0002-000000000.pt").write_bytes(b"")  # (settings.json names it: it is not read)
     saved = settings(mine, mine.parse_args(["--weight-decay", 0.1, "--lr", 0.2, "--workers", 3, "--cores", 1]))
-    tt.write_json(run / "settings.json", {"checkpoint": "checkpoint-0002-000000000.pt", "settings": saved})
+    ckpt = dict(model={}, optimizer={}, epoch=2, samples=0, history=[], epochs=[], settings=saved, rng=0)
+    torch.save(ckpt, run / "checkpoint-0002-000000000.pt")
     resumed = mine.parse_args(["--resume", run])
     assert (resumed.weight_decay, resumed.lr, resumed.workers, resumed.cores) == (0.1, 0.2, 0, None)
     assert mine.parse_args(["--resume", run, "--weight-decay", 0.3]).weight_decay == 0.3

@@ -5,23 +5,20 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
-# The trainer comes first. The instruments follow in one block, from the line "# ==== " to "# ==== end": the smoke
-# test, run control, the checks, the format conversion, fit(). The block puts its functions in HOOKS, which the trainer
-# calls at points of a run (hook()). Delete it, and the trainer runs alone with HOOKS empty:
-#   sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
+# The trainer comes first, then one block of instruments (the smoke test, run control, the checks, the format
+# conversion, fit()), which puts its functions in HOOKS for the trainer to call (hook()). Without the block, HOOKS is
+# empty and the trainer runs alone: sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
 
 import argparse
 import atexit
 import collections
 import contextlib
 import itertools
-import json
 import os
 import shutil
 import signal
 import socket
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -52,19 +49,14 @@ try:  # A torch_xla built for another torch fails here, and so, on a TPU VM, doe
 except Exception as e:
     XLA_IMPORT_ERROR = e
 
-HOOKS = {}  # {a point of the run: the instruments' function for it}, filled by the block at the end of the file
+HOOKS = {}  # {a point of the run: the instruments' function for it}, which the block fills
 
 
-def hook(point, *args):
-    """Calls the instruments' function for this point of the run, and returns its answer; None without the block."""
-    if point not in HOOKS:
-        return None
-    return HOOKS[point](*args)
+def hook(point, *args):  # the instruments' function for this point of the run, called: its answer, or None
+    return HOOKS[point](*args) if point in HOOKS else None
 
 
-# ---- flags -----------------------------------------------------------------------------------------------------------
-# Every flag is a setting, which a resume keeps unless it is given again (a flag you add too), but for these: where and
-# how this process runs.
+# ---- flags: every one is a setting, which a resume keeps unless given again, but for these six ----------------------
 NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_port", "smoke", "smoke_timeout")
 
 
@@ -76,9 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
-    p.add_argument(
-        "--coordinator-port", type=int, help="XLA's coordination service's; default: 8547 on a TPU, else free"
-    )
+    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's; default: 8547 on a TPU")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
@@ -94,12 +84,14 @@ def parse_args(argv=None):
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
-    hook("flags", p, argv)  # the instruments' flags (--smoke, say), and one-line errors
+    hook("flags", p, argv)  # the instruments' flags (--smoke), and one-line errors
     args = p.parse_args(argv)
     hook("parsed", p, args)  # each value in its range
-    if args.resume:  # Parsed again with the run's saved settings as the defaults: the flags given still win.
-        p.set_defaults(**saved_settings(args.resume))
+    if args.resume:  # Parsed again, with the checkpoint's settings as the defaults: the flags given win.
+        path = find_checkpoint(args.resume)
+        p.set_defaults(**load_checkpoint(path)["settings"])
         args = p.parse_args(argv)
+        args.resume = path  # (a run folder's newest, now: every replica loads the same)
     return args
 
 
@@ -115,12 +107,11 @@ def dataset(args, train):
 
     with contextlib.redirect_stdout(None):  # torchvision prints every download attempt. It downloads what DIR lacks.
         mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
-    # Normalized as Normalize() would, once: (N, 1, 28, 28) floats, no PIL image, 4 ops fewer to trace a step.
+    # Normalized once, as Normalize() does: (N, 1, 28, 28) floats, and 4 ops fewer to trace each step.
     return InMemory((mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets)
 
 
-def model_input(x):
-    """A batch's input as the model takes it, on the device: here as it comes (dataset() normalized it once)."""
+def model_input(x):  # A batch's input as the model takes it, on the device: here as it comes.
     return x
 
 
@@ -164,15 +155,14 @@ def build_model(args):
 
 # ---- optimizer and learning-rate schedule: your own goes here (edit 3 of 3) ------------------------------------------
 def build_optimizer(args, model, steps):
-    """The optimizer, and the schedule that sets its learning rate, stepped after each of the run's `steps`: any
-    torch.optim.lr_scheduler, whose state each checkpoint keeps. Here SGD at a constant --lr: a warm-up and a cosine
-    decay to 0 over --smoke's 80 steps cut the learning of the tests' BatchNorm copy to 33% (FAIL on a slice)."""
+    """The optimizer, and any torch.optim.lr_scheduler, stepped after each of the run's `steps`. Here SGD at a constant
+    --lr: a warm-up and a cosine decay to 0 over --smoke's 80 steps cut the tests' BatchNorm model to 33% (a FAIL)."""
     # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
-# ---- the synthetic digits, a dataset in memory, and the first weights --------------------------------------------
+# ---- the synthetic digits, a dataset in memory, the first weights ----------------------------------------------------
 def synthetic_digits(n, seed):
     """Ten random stroke patterns, one per class, each shifted by up to 8 pixels on noise: (uint8 images, labels). A
     fixed pixel template per class does poorly on them; a CNN learns them. Deterministic for (n, seed)."""
@@ -194,15 +184,13 @@ class InMemory(TensorDataset):
         return [t[indices] for t in self.tensors]
 
 
-def initial_model(args):
-    """The model's first weights come from --seed alone: the same on every replica and in every run. TPU v2/v3 run two
-    replica threads, which share the global RNG: one builds at a time."""
+ONE_REPLICA_AT_A_TIME = threading.RLock()  # TPU v2/v3 run two replica threads a process: they share the global RNG.
+
+
+def initial_model(args):  # Its first weights come from --seed alone: the same on every replica, and in every run.
     with ONE_REPLICA_AT_A_TIME:
         torch.manual_seed(args.seed)
         return build_model(args)
-
-
-ONE_REPLICA_AT_A_TIME = threading.RLock()
 
 
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
@@ -210,11 +198,11 @@ def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
     # InMemory's batches need no collating (nor those of a Subset of one, which passes its __getitems__ on).
     whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None
-    # A worker leaves a stop signal to its replica, which saves and then ends it. Forked, as on Linux by default: in
-    # xmp.spawn's processes spawned workers would import this file anew (7 CPU-s each).
+    # Workers leave a stop signal to their replica, which saves, then ends them. Forked, as on Linux by default: in
+    # xmp.spawn's processes a spawned worker would import this file anew (7 CPU-s). Its own generator seeds them: the
+    # global RNG is initial_model's.
     workers = dict(num_workers=run.args.workers, worker_init_fn=ignore_stop_signals)
     workers.update(multiprocessing_context="fork" if run.args.workers and sys.platform == "linux" else None)
-    # Its own generator seeds the workers: else it draws from the global RNG, which initial_model seeds (v2/v3: a race).
     workers.update(generator=torch.Generator().manual_seed(run.args.seed))
     return DataLoader(data, run.load_batch, sampler=order, drop_last=drop_last, collate_fn=whole, **workers)
 
@@ -252,11 +240,13 @@ def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device u
     return loss.detach()
 
 
+TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
+
+
 def evaluate(run):
-    """The test loss and accuracy (%), each sample counted once: every world-th on each replica, the last batch padded
-    (one shape, one graph) with samples marked invalid. The sums stay on the device until one all-reduce."""
-    # BatchNorm's running statistics drift apart on each replica: all evaluate and save the master's, as DDP's
-    # broadcast_buffers does. (Averaged, they would change the master's at a stop's save: no exact resume.)
+    """The test loss and accuracy (%), each sample counted once (padding marked invalid). The sums stay on the device
+    until one all-reduce. BatchNorm's running statistics, which drift apart on each replica, are the master's, as DDP's
+    broadcast_buffers makes them: averaged, they would change the master's at a stop's save (no exact resume)."""
     broadcast(run, run.model.buffers())
     run.model.eval()
     totals = torch.zeros(3, device=run.device)  # the loss summed, the hits, the samples
@@ -265,8 +255,7 @@ def evaluate(run):
             logits = run.model(model_input(b["input"]))
             loss = F.cross_entropy(logits, b["label"].long(), reduction="none")
             hits = (logits.argmax(1) == b["label"]).float()
-            valid = b["valid"]  # 0 for the padding, whose loss and hits must not count
-            totals += torch.stack([(loss * valid).sum(), (hits * valid).sum(), valid.sum()])
+            totals += torch.stack([(loss * b["valid"]).sum(), (hits * b["valid"]).sum(), b["valid"].sum()])
     run.model.train()
     if run.world > 1:
         totals = xm.all_reduce(xm.REDUCE_SUM, totals)
@@ -274,18 +263,15 @@ def evaluate(run):
     return TestResult(loss / count, 100 * hits / count, int(count))
 
 
-TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
-
-
-def padded(run, batches):
-    """The test batches, the last filled up with copies of a sample marked valid=0."""
+def padded(run, batches):  # The last batch filled up with copies of a sample marked valid=0: one shape, one graph.
     for x, y in batches:
-        fill = torch.arange(run.load_batch).clamp(max=len(y) - 1)  # (a whole batch: its own order)
+        fill = torch.arange(run.load_batch).clamp(max=len(y) - 1)
         yield x[fill], y[fill], (torch.arange(run.load_batch) < len(y)).float()
 
 
-def broadcast(run, tensors):
-    """Every replica takes the master's float tensors, in place: TPUs all-reduce no int64 (pytorch/xla#1952)."""
+def broadcast(
+    run, tensors
+):  # Every replica takes the master's float tensors: TPUs all-reduce no int64 (pytorch/xla#1952).
     floats = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
     if run.world > 1 and floats:
         xm.collective_broadcast(floats)
@@ -297,8 +283,7 @@ def train(index, args):
     """One replica's run, from xmp.spawn (index: its number on this host), or under SPMD the one process's."""
     with hook("replica", index) or contextlib.nullcontext():  # the instruments' watch over this replica
         run = start_replica(args)
-        hook("started", run)
-        run.model = initial_model(args).to(run.device)  # Its first weights come from --seed alone.
+        run.model = initial_model(args).to(run.device)
         broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
         data, test = hook("data", run) or (dataset(args, train=True), dataset(args, train=False))  # (--smoke's own)
         shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
@@ -307,12 +292,13 @@ def train(index, args):
         if run.steps == 0:
             raise Exit(2, f"error: --batch-size {args.batch_size}: more than a replica's share of the training set")
         run.optimizer, run.schedule = build_optimizer(args, run.model, args.epochs * run.steps)
-        mode = "SPMD" if run.mesh is not None else "a replica each"
-        sizes = f"{run.devices} devices, {mode} | global batch {run.global_batch} | lr {args.lr}"
-        writer = f"out {args.out_dir}, written by ordinal 0 on {os.uname().nodename}"
-        if run.service:
-            writer += f" | coordination service port {args.coordinator_port}"
-        say(run, f"{xr.device_type()} | {sizes} | {run.steps} steps per epoch | {writer}")
+        mode = f"{run.devices} devices, {'SPMD' if run.mesh is not None else 'a replica each'}"
+        sizes = f"{mode} | global batch {run.global_batch} | lr {args.lr} | {run.steps} steps per epoch"
+        port = f" | coordination service port {args.coordinator_port}" if run.service else ""
+        say(
+            run,
+            f"{xr.device_type()} | {sizes} | out {args.out_dir}, written by ordinal 0 on {os.uname().nodename}{port}",
+        )
         hook("before_training", run)  # --smoke: the untrained weights' test loss, and the devices' check
         first_epoch, skip = resume(run)  # (1, 0) if fresh
         hook("training", run)
@@ -328,11 +314,14 @@ def train(index, args):
             raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
 
 
+WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
+
+
 def train_epoch(run, batches, epoch, skip):
     """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint. A
     step's loss is read back at the next log boundary: that step has long finished, so no step waits for the device."""
     run.unread, started = [], None  # [(step, its loss on the device, its lr)] of the boundaries; when timing began
-    hook("epoch", run, epoch)  # the instruments' counters start
+    hook("epoch", run, epoch)
     step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
     for step, batch in enumerate(on_device(run, batches, stop=run.steps - skip), start=skip + 1):
         lr = run.optimizer.param_groups[0]["lr"]  # this step's, which the schedule then moves on
@@ -347,7 +336,7 @@ def train_epoch(run, batches, epoch, skip):
     if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
     asked = stop_asked(run, epoch * run.steps)
-    hook("epoch_end", run)  # --max-recompiles counts before the evaluation compiles
+    hook("epoch_end", run)  # (--max-recompiles counts before the evaluation)
     torch_xla.sync()
     read_losses(run, epoch)  # A wait for every step launched.
     rate = None  # samples/s after the warm-up steps
@@ -359,7 +348,7 @@ def train_epoch(run, batches, epoch, skip):
     run.epochs.append(dict(epoch=epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate))
     hook("epoch_row", run, run.epochs[-1])  # the instruments' counters, in the row
     save(run, next_epoch=epoch + 1, steps_done=0, test=test)
-    hook("epoch_saved", run)  # --max-recompiles: exit 3
+    hook("epoch_saved", run)  # (--max-recompiles: exit 3)
     if asked and epoch < run.args.epochs:  # After the last epoch the run finishes.
         stop(run, asked, f"epoch {epoch + 1} step 0")
 
@@ -378,17 +367,14 @@ def checkpoint_or_stop(run, epoch, step):
         stop(run, asked, f"epoch {epoch} step {step}")
 
 
-WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so samples/s leaves them out.
-
-
 def read_losses(run, epoch, upto=float("inf")):
-    """Reads back the boundaries' losses up to step `upto`, to their lines and the history. Each is then freed: live
-    tensors slow every graph cut a little more."""
+    """Reads back the boundaries' losses up to step `upto`, to their lines and the history, and frees them: live tensors
+    slow every graph cut a little more."""
     while run.unread and run.unread[0][0] <= upto:
         step, tensor, lr = run.unread.pop(0)
         loss = float(tensor.cpu())
         run.history.append(dict(epoch=epoch, step=step, loss=loss, lr=lr))
-        hook("logged", run, run.history[-1])  # TensorBoard's scalars
+        hook("logged", run, run.history[-1])
         say(run, f"epoch {epoch} step {step}/{run.steps} | loss {loss:.4f}")
 
 
@@ -413,29 +399,11 @@ def say(run, line):  # The master prints, and keeps the line in the run's log.tx
 
 
 # ---- a stop signal: every replica saves at one step, then the run exits 128 + its number -----------------------------
-# A preemption sends SIGTERM to every process of the VM. In replica processes, XLA's coordination service takes it: as
-# torch_xla's CheckpointManager starts it (experimental/distributed_checkpoint/manager.py, through the same private
-# torch_xla._XLAC calls, which 2.9 has no public API for), it names one step at which every process of the slice stops.
-# A replica in the launcher's own process (--cores 1, --spmd) hears of the signal from launch()'s handler.
+# A preemption sends SIGTERM to every process of the VM. A replica in the launcher's process (--cores 1, --spmd) hears
+# of it from launch()'s handler. In replica processes XLA's coordination service takes it, and names one step at which
+# every process of the slice stops: started as torch_xla's own CheckpointManager starts it, through the same private
+# torch_xla._XLAC calls (torch_xla/experimental/distributed_checkpoint/manager.py; 2.9 has no public API for them).
 STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)  # this process's
-
-
-def join_service(run):
-    """Joins XLA's coordination service, once a process: process 0's host runs it (torch_xla's default port, 8547)."""
-    with STOP.lock:
-        if STOP.joined:
-            return
-        index, count = xr.process_index(), xr.process_count()
-        master = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
-        torch_xla._XLAC._ensure_xla_coordinator_initialized(index, count, master, str(run.args.coordinator_port))
-        torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
-        STOP.joined = True
-        # The service never shuts down, and to it an exit looks like a death: when process 0, its host, ends first,
-        # the others abort. So process 0 ends last (3 s: the others' exits take under 1 s here), and they at once.
-        if index == 0 and count > 1:
-            atexit.register(time.sleep, 3)
-        elif index > 0:
-            atexit.register(os._exit, 0)
 
 
 def stop_asked(run, step):
@@ -463,7 +431,7 @@ def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + th
 # per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
 # perf/spmd_distributed_checkpoint). Each is written whole on this machine first, as NAME.tmp, then moved into place.
 # A spot TPU VM is deleted when preempted, its disk too: --out-dir gs://BUCKET/RUN keeps the run, through fsspec
-# (gcsfs), and its logs are written here in runs/gs/BUCKET/RUN (an object cannot be appended to).
+# (gcsfs); the logs are written here in runs/gs/BUCKET/RUN, as an object cannot be appended to.
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -491,7 +459,7 @@ def save(run, *, next_epoch, steps_done, test=None):
         xm.save(ckpt, written, master_only=True, global_master=True)  # Every replica syncs; only the master writes.
     else:
         shutil.rmtree(written, ignore_errors=True)
-        with quietly():  # DCP warns that no process group is set: this one process is the whole run.
+        with warnings.catch_warnings(action="ignore"):  # that no process group is set: this process is the whole run
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
     if run.master:
         fs = store(out)
@@ -505,18 +473,14 @@ def save(run, *, next_epoch, steps_done, test=None):
         else:
             fs.put_file(written, path)
             os.remove(written)
-        fs.pipe_file(f"{out}/settings.json", json.dumps(dict(checkpoint=name, settings=ckpt["settings"])).encode())
         for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
             fs.rm(old, recursive=True)
-    hook("saved", run)  # the logs, copied to a bucket
+    hook("saved", run)
     return path
 
 
 def store(path):  # fsspec's file system for a path: the local disk's, or gcsfs's for gs://
-    try:  # No cache of listings: other processes and hosts write in the same folder.
-        return fsspec.core.url_to_fs(path, use_listings_cache=False)[0]
-    except ImportError as e:  # (fsspec's message names the package)
-        raise Exit(2, f"error: {path}: {str(e).strip()}") from e
+    return fsspec.core.url_to_fs(path, use_listings_cache=False)[0]  # No listing cache: other processes write too.
 
 
 def local_folder(out_dir):  # where this machine writes the run's logs, and each checkpoint first
@@ -524,13 +488,11 @@ def local_folder(out_dir):  # where this machine writes the run's logs, and each
 
 
 def checkpoints(folder):
-    """A run folder's whole checkpoints, the newest last: no *.tmp (being written), no DCP folder without .metadata
-    (written last). Newest by the store's write time, not by name: a run resumed from an older checkpoint goes on in
-    the same folder."""
+    """A run folder's whole checkpoints, the newest last: no *.tmp, no DCP folder without its .metadata (written last).
+    Newest by the store's write time, not by name: a run resumed from an older checkpoint goes on in the same folder."""
     fs = store(folder)
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
     written = {}
-    for name in names:
+    for name in [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]:
         path = f"{folder}/{name}"
         if name.startswith("checkpoint-") and not name.endswith(".tmp"):
             with contextlib.suppress(FileNotFoundError):  # (deleted meanwhile, or a DCP folder being written)
@@ -538,8 +500,7 @@ def checkpoints(folder):
     return sorted(written, key=lambda p: (written[p], p))
 
 
-def find_checkpoint(path):
-    """What --resume PATH names: a checkpoint, or the newest in a run folder."""
+def find_checkpoint(path):  # What --resume PATH names: a checkpoint, or the newest in a run folder.
     fs = store(path)
     try:
         if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
@@ -552,22 +513,12 @@ def find_checkpoint(path):
     return found[-1]
 
 
-def saved_settings(path):
-    """The settings saved with --resume PATH: settings.json beside it if it names it (no loading), else its own."""
-    ckpt = find_checkpoint(path)
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # None there, or damaged: use the checkpoint.
-        saved = json.loads(store(ckpt).cat_file(f"{os.path.dirname(ckpt)}/settings.json"))
-        if saved["checkpoint"] == os.path.basename(ckpt):
-            return dict(saved["settings"])
-    return load_checkpoint(ckpt)["settings"]
-
-
 def load_checkpoint(path):
     """Reads a checkpoint in either format as the one dict that torch.load gives for a file."""
     fs = store(path)
     try:
         if fs.isdir(path):
-            with tempfile.TemporaryDirectory() as tmp, quietly():
+            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(action="ignore"):
                 if "://" in path:  # (a bucket's, fetched first)
                     fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
                 dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
@@ -587,10 +538,9 @@ def load_checkpoint(path):
 
 def resume(run):
     """Loads --resume into the model, the optimizer and the schedule. Returns (the epoch, the steps of it done)."""
-    args = run.args
-    if not args.resume:
+    args, path = run.args, run.args.resume
+    if not path:
         return 1, 0
-    path = find_checkpoint(args.resume)
     ckpt = load_checkpoint(path)
     try:
         run.model.load_state_dict(ckpt["model"])  # onto the device; under SPMD, replicated
@@ -598,7 +548,7 @@ def resume(run):
     except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
         why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
         raise Exit(2, f"error: --resume {path}: {why}") from e
-    given = {name for name, value in ckpt["settings"].items() if getattr(args, name, value) != value}  # changed
+    given = {name for name, value in ckpt["settings"].items() if getattr(args, name, value) != value}  # anew
     for group in run.optimizer.param_groups:  # but a --momentum given anew
         group.update({"momentum": args.momentum} if "momentum" in given and "momentum" in group else {})
     done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
@@ -606,15 +556,15 @@ def resume(run):
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
     # The schedule goes on as saved. --lr, --epochs or --steps-per-epoch given anew reshape it from the saved step on
-    # (as does a checkpoint saved before it had one).
+    # (as does a checkpoint saved before it had one; PyTorch's warning of a first step is of no matter then).
     if "schedule" in ckpt and not {"lr", "epochs", "steps_per_epoch"} & given:
         run.schedule.load_state_dict(ckpt["schedule"])
-    else:  # (PyTorch warns of a schedule's first step before the optimizer's: here it is a move to the saved step)
+    else:
         run.schedule.last_epoch = (ckpt["epoch"] - 1) * run.steps + done - 1
         with warnings.catch_warnings(action="ignore"):
             run.schedule.step()
     run.history, run.epochs = ckpt["history"], ckpt["epochs"]
-    hook("resumed", run, path, ckpt, done)  # the instruments' check of what it computes, and its format's conversion
+    hook("resumed", run, ckpt, done)  # the instruments' check of what it computes, and the format's conversion
     # Every torch_xla.sync() moves the device's RNG on: set now, dropout goes on with the masks it would have drawn.
     xm.set_rng_state(ckpt["rng"], run.device)
     say(run, f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
@@ -623,7 +573,8 @@ def resume(run):
 
 # ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
 def start_replica(args):
-    """Starts this replica's runtime, and returns its state: `run` (under SPMD, the one process's)."""
+    """Starts this replica's runtime, and returns its state, `run` (under SPMD, the one process's). A replica process
+    joins XLA's coordination service, once a process: process 0's host runs it."""
     if args.spmd:
         xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
     run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None, history=[], epochs=[])
@@ -636,9 +587,21 @@ def start_replica(args):
     run.master = run.rank == 0  # The one "am I the master": it prints, and writes the files.
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
-    run.service = not args.spmd and args.cores != 1  # replica processes: a stop reaches them through the service
-    if run.service:
-        join_service(run)
+    run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
+    with STOP.lock:
+        if run.service and not STOP.joined:
+            index, count = xr.process_index(), xr.process_count()
+            host = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
+            torch_xla._XLAC._ensure_xla_coordinator_initialized(index, count, host, str(args.coordinator_port))
+            torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
+            # The service never shuts down, and to it an exit looks like a death: when process 0, its host, ends
+            # first, the others abort. So process 0 ends last (3 s: their exits take under 1 s here), they at once.
+            if index == 0 and count > 1:
+                atexit.register(time.sleep, 3)
+            elif index > 0:
+                atexit.register(os._exit, 0)
+            STOP.joined = True
+    hook("started", run)
     return run
 
 
@@ -647,27 +610,24 @@ def launch(args):
     xmp.spawn; or under SPMD this process, over every device."""
     if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
-    if args.coordinator_port is None and os.environ.get("PJRT_DEVICE") == "TPU":
-        args.coordinator_port = 8547  # torch_xla's default: the same on every host of a slice
-    elif args.coordinator_port is None:  # one that nothing listens on now: gRPC shares a port silently (SO_REUSEPORT)
-        with socket.socket() as s:
+    if args.coordinator_port is None:  # On a TPU torch_xla's default, alike on every host; here a free one.
+        with socket.socket() as s:  # (gRPC shares a port silently: SO_REUSEPORT)
             s.bind(("localhost", 0))
-            args.coordinator_port = s.getsockname()[1]
-    # A stop signal: this launcher's replica stops at its next step, and replica processes (which ignore it until
-    # their service takes it) at the service's. Either way this process ends after them, with their exit.
+            args.coordinator_port = 8547 if os.environ.get("PJRT_DEVICE") == "TPU" else s.getsockname()[1]
+    # A stop signal: this process's replica stops at its next step; replica processes, which ignore it until their
+    # service takes it, at the service's. Either way this process ends after them, with their exit.
     STOP.signum = 0  # (a run before this one in the process, in a notebook say, may have stopped)
-    if threading.current_thread() is threading.main_thread():  # (Python takes signals in its main thread only)
-        handler = signal.SIG_IGN if not args.spmd and args.cores != 1 else lambda signum, frame: take_stop(signum)
-        signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is not threading.main_thread():  # (Python takes signals in its main thread only)
+        pass
+    elif args.spmd or args.cores == 1:
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with hook("launch", args) or contextlib.nullcontext():  # the instruments' run control
         if args.spmd:
             train(0, args)
         else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
             xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
-
-
-def take_stop(signum):
-    STOP.signum = signum
 
 
 def main(argv=None):
@@ -679,7 +639,7 @@ def main(argv=None):
             why = f"{type(XLA_IMPORT_ERROR).__name__}: {str(XLA_IMPORT_ERROR).strip().splitlines()[0]}"
             raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
         hook("prepare", args)  # the instruments' checks of this machine, before any device starts
-        resumed = os.path.dirname(find_checkpoint(args.resume)) if args.resume else None
+        resumed = os.path.dirname(args.resume) if args.resume else None
         args.out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         same = resumed is not None and os.path.abspath(resumed) == os.path.abspath(args.out_dir)  # (URLs too)
         try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
@@ -696,12 +656,14 @@ def main(argv=None):
         code, line = e.code, e.line
     except KeyboardInterrupt:
         code, line = 130, "interrupted"
-    except Exception as e:  # a bug, in your model say: its traceback, then one line
-        code, line = 1, report_bug(e)
+    except Exception as e:  # a bug, in your model say: its traceback, then one line (the instruments': where)
+        with contextlib.suppress(OSError):  # (a stderr whose reader died)
+            traceback.print_exception(e)
+        code, line = 1, hook("bug", e) or f"failed: {type(e).__name__}: {e} (traceback above)"
     if line is not None:
-        with contextlib.suppress(OSError):  # (a reader of stderr that died)
+        with contextlib.suppress(OSError):
             print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
-    hook("ended", args, code, line)  # the instruments keep it in the run's log
+    hook("ended", args, code, line)  # (the instruments keep it in the run's log)
     return code
 
 
@@ -716,35 +678,17 @@ class Exit(Exception):
         return self.line
 
 
-def report_bug(e):
-    """The line for an unexpected exception, a bug in your model say: its first line, and where it was raised in your
-    code or this file (a library's frames are left out). Its traceback is printed first: you need it."""
-    with contextlib.suppress(OSError):  # (a stderr whose reader died)
-        traceback.print_exception(e)
-    libraries = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib"))
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
-    where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return f"failed: {type(e).__name__}: {first} ({where}traceback above)"
-
-
-@contextlib.contextmanager
-def quietly():
-    """Silences torchvision's download attempts and DCP's notices: the whole process, the other v2/v3 replica too."""
-    with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
-        with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
-            yield
-
-
 # ==== the instruments: the smoke test, run control, the checks, the format conversion, fit() ==========================
 # They add themselves to HOOKS (the table at the end of the block), which the trainer above calls at points of a run.
 # ruff: noqa: E402 (the block's own imports are here, with it)
 import functools
 import hashlib
 import inspect
+import json
 import math
 import multiprocessing
 import pickle
+import sysconfig
 
 from torch.utils.data import default_collate
 
@@ -799,6 +743,11 @@ RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). N
 def check_flags(p, args):
     if args.smoke and args.resume:
         p.error("--smoke checks a fresh run: leave out --resume")
+    for path in (args.out_dir, args.resume):
+        try:  # (gcsfs, for gs://: fsspec's message names the package)
+            store(path or ".")
+        except ImportError as e:
+            raise Exit(2, f"error: {path}: {first_line(e)}") from e
     for names, rule, ok in RANGES:
         for name in names:
             value = getattr(args, name)
@@ -1002,8 +951,9 @@ def stopping(run, signum):  # The stop's signal: the launcher's own, which it pa
     return max(signum, run.control.stop_signal())  # SIGTERM, if it came with a SIGHUP taken first (on_signal)
 
 
-def converted(run, path, ckpt, done):
+def converted(run, ckpt, done):
     """After a resume loads: the check of what it computes (exit 4), then in the other format a save in this one's."""
+    path = run.args.resume
     test = verify(run, path, ckpt)
     if store(path).isdir(path) != (run.mesh is not None):  # a DCP folder without SPMD, or a file under it
         xm.set_rng_state(ckpt["rng"], run.device)  # (which the evaluation moved on: saved as it was)
@@ -1735,6 +1685,29 @@ def publish(out_dir, checks):
 
 
 # ---- small helpers ---------------------------------------------------------------------------------------------------
+def report_bug(e):  # A replica's bug, say in your model: its traceback, then its line (bug_line()).
+    with contextlib.suppress(OSError):  # (a stderr whose reader died)
+        traceback.print_exception(e)
+    return bug_line(e)
+
+
+def bug_line(e):
+    """The line for an unexpected exception: its first line, and where it was raised in your code or this file (a
+    library's frames are left out)."""
+    libraries = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib"))
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
+    where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
+    return f"failed: {type(e).__name__}: {first_line(e)} ({where}traceback above)"
+
+
+@contextlib.contextmanager
+def quietly():
+    """Silences torchvision's download attempts and DCP's notices: the whole process, the other v2/v3 replica too."""
+    with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
+        with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
+            yield
+
+
 def tell(out_dir, line, stream=None, log="log.txt"):  # Prints a line, and keeps it in OUT/log.txt (or another log).
     with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
         print(line, file=stream or sys.stdout, flush=True)
@@ -1852,6 +1825,7 @@ HOOKS.update(
     resumed=converted,
     finish=finish,
     ended=ended,
+    bug=bug_line,
 )
 # ==== end of the instruments =========================================================================================
 
