@@ -1,7 +1,7 @@
 """train_tpu.py: the reference PyTorch/XLA trainer, and the smoke test of a new TPU VM. It trains a small CNN on MNIST
 on every TPU core (xmp.spawn), or from one process that shards each batch over every device (--spmd). See README.md.
   python train_tpu.py                              # a TPU VM: train on every core
-  python train_tpu.py --smoke                      # is this TPU VM fit to train on? exit 5 if not
+  python train_tpu.py --smoke                      # (the instruments) is this TPU VM fit to train on? exit 5 if not
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
@@ -56,7 +56,7 @@ def hook(point, *args):  # the instruments' function for this point of the run, 
     return HOOKS[point](*args) if point in HOOKS else None
 
 
-# ---- flags: every one is a setting, which a resume keeps unless given again, but for these six ----------------------
+# ---- flags: every one is a setting, which a resume keeps unless given again, but for where and how this process runs
 NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_port", "smoke", "smoke_timeout")
 
 
@@ -617,17 +617,21 @@ def launch(args):
     # A stop signal: this process's replica stops at its next step; replica processes, which ignore it until their
     # service takes it, at the service's. Either way this process ends after them, with their exit.
     STOP.signum = 0  # (a run before this one in the process, in a notebook say, may have stopped)
-    if threading.current_thread() is not threading.main_thread():  # (Python takes signals in its main thread only)
-        pass
-    elif args.spmd or args.cores == 1:
+    main_thread = threading.current_thread() is threading.main_thread()  # (Python takes signals there only)
+    previous = signal.getsignal(signal.SIGTERM)
+    if main_thread and (args.spmd or args.cores == 1):
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
-    else:
+    elif main_thread:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with hook("launch", args) or contextlib.nullcontext():  # the instruments' run control
-        if args.spmd:
-            train(0, args)
-        else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
-            xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
+    try:
+        with hook("launch", args) or contextlib.nullcontext():  # the instruments' run control
+            if args.spmd:
+                train(0, args)
+            else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
+                xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # (a notebook's kernel takes it as before)
 
 
 def main(argv=None):
@@ -639,6 +643,11 @@ def main(argv=None):
             why = f"{type(XLA_IMPORT_ERROR).__name__}: {str(XLA_IMPORT_ERROR).strip().splitlines()[0]}"
             raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
         hook("prepare", args)  # the instruments' checks of this machine, before any device starts
+        try:  # Once, before the replicas start: they never race to download it, and a missing one is one line here.
+            dataset(args, train=True), dataset(args, train=False)
+        except Exception as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {why}") from e
         resumed = os.path.dirname(args.resume) if args.resume else None
         args.out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         same = resumed is not None and os.path.abspath(resumed) == os.path.abspath(args.out_dir)  # (URLs too)
@@ -650,7 +659,6 @@ def main(argv=None):
             os.makedirs(local_folder(args.out_dir), exist_ok=True)
         except OSError as e:
             raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
-        dataset(args, train=True), dataset(args, train=False)  # once, before the replicas: they never race to download
         launch(args)
     except Exit as e:
         code, line = e.code, e.line
@@ -769,16 +777,12 @@ def prepare(args):
         raise
     except Exception as e:  # gcsfs's: no credentials, say
         raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
-    try:  # Once, before any replica starts: a missing dataset exits 2 here.
-        _, test = dataset(args, train=True), dataset(args, train=False)
-    except Exception as e:
-        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
     hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
     if args.layerdrop != "off" and not hooks:
         raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
     if args.smoke:  # A model that cannot take the smoke's data would end it in a traceback that says nothing of the VM.
-        x = default_collate([smoke_shaped(model, test)[0]])[0]
+        x = default_collate([smoke_shaped(model, dataset(args, train=False))[0]])[0]
         try:
             with torch.no_grad():
                 model.eval()(model_input(x))
@@ -1828,8 +1832,6 @@ HOOKS.update(
     bug=bug_line,
 )
 # ==== end of the instruments =========================================================================================
-
-
 if __name__ == "__main__":
     exit_code = main()
     if XLA_IMPORT_ERROR is None:  # torch_xla's own handler, which os._exit skips on purpose (below)
