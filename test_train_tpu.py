@@ -806,8 +806,6 @@ def started(tmp_path_factory, gcs):
             patch="tt.build_optimizer = lambda *args: time.sleep(3600)  # the only replica, in this process, hangs",
         ),
         "fit": lambda: script(FIT_SMOKE + FIT_ENDS, cwd=root),  # (one process: each costs 5 s of imports)
-        "tampered": lambda: tampered(root),
-        "busy": lambda: cli("--cores", 1, "--data", "synthetic", "--out-dir", "busy", cwd=root, patch=BUSY),
         "static": lambda: cli(  # without the tensorboard package
             *LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta", cwd=root, patch=NO_BOARD
         ),
@@ -854,7 +852,17 @@ def started(tmp_path_factory, gcs):
         ),
         "pod_stop": lambda: pod_stopped_then_one_raises(root),
     }
-    first = ("stock", "straight", "pod_lost", "pod_killed", "pod_stop", "pod_start", "pod_smoke")  # the slow, and those
+    first = (
+        "stock",
+        "straight",
+        "mine",
+        "fit",
+        "pod_lost",
+        "pod_killed",
+        "pod_stop",
+        "pod_start",
+        "pod_smoke",
+    )  # the slow, and those
     # that wait long for the coordination service, first
     jobs = {name: jobs[name] for name in first} | jobs  # the longest first: the pool's last job ends the session
     only = os.environ.get("RUNS_ONLY", ",".join([*jobs, "smoke_spmd_32"])).split(",")  # when working on one property
@@ -1910,29 +1918,30 @@ def tampered(root):
     }
     os.makedirs(root / "tampered")
     torch.save(saved, root / "tampered" / "checkpoint-0002-000000000.pt")
-    return cli("--cores", 1, "--resume", "tampered", "--epochs", 3, cwd=root)
 
 
-def test_a_checkpoint_that_no_longer_computes_its_saved_test_loss_exits_4(runs):
-    r = runs["tampered"]
-    assert r.returncode == 4 and re.fullmatch(
+def test_a_checkpoint_that_no_longer_computes_its_saved_test_loss_exits_4(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    tampered(tmp_path)
+    assert tt.main(["--cores", 1, "--resume", "tampered", "--epochs", 3]) == 4  # (in this process)
+    out, err = capsys.readouterr()
+    assert re.fullmatch(
         r"train_tpu.py: failed: resume check: tampered/checkpoint-0002-000000000"
         r"\.pt gives test loss 2\.\d+, and was saved at 0\.050000",
-        last_line(r),
+        err.strip().splitlines()[-1],
     )
-    assert "epoch 2 step" not in r.stdout  # nothing trained
+    assert "epoch 2 step" not in out  # nothing trained
 
 
-BUSY = """
-def device():  # what a TPU held by another process raises when this one's runtime starts (libtpu's words)
-    raise RuntimeError("TPU initialization failed: The TPU is already in use by process with pid 4242.\\nlsof -w ...")
-torch_xla.device = device
-"""
+def test_a_runtime_that_cannot_start_exits_2_with_its_first_line(tmp_path, monkeypatch, capsys):
+    def device():  # what a TPU held by another process raises when this one's runtime starts (libtpu's words)
+        raise RuntimeError(
+            "TPU initialization failed: The TPU is already in use by process with pid 4242.\nlsof -w ..."
+        )
 
-
-def test_a_runtime_that_cannot_start_exits_2_with_its_first_line(runs):
-    r = runs["busy"]
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+    monkeypatch.setattr(tt.torch_xla, "device", device)
+    assert tt.main(["--cores", 1, "--data", "synthetic", "--out-dir", tmp_path / "busy"]) == 2  # (in this process)
+    assert capsys.readouterr().err.strip().splitlines() == [
         "train_tpu.py: error: the CPU runtime did not start: TPU initialization failed: The TPU is already in use by "
         "process with pid 4242."
     ]
@@ -2004,9 +2013,15 @@ print("ALIVE", flush=True)
 import torch.nn as nn
 def colour(args):  # the natural edit for colour images: the first convolution takes 3 channels
     return nn.Sequential(nn.Conv2d(3, 10, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1440, 10))
-tt.build_model = colour
+real_build_model, tt.build_model = tt.build_model, colour
 r = tt.fit("--smoke", "--cores", 1, "--steps-per-epoch", 20, "--out-dir", "fit-colour")
 print("COLOUR", json.dumps(r.verdict), flush=True)
+def adamw(args, model, steps):  # edit 3 as a person writes AdamW there
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+tt.build_model, tt.build_optimizer = real_build_model, adamw
+r = tt.fit("--smoke", "--cores", 1, "--out-dir", "fit-adamw")  # (its 80 steps)
+print("ADAMW", json.dumps(r.verdict), flush=True)
 """
 
 
@@ -2026,6 +2041,17 @@ def test_the_smoke_of_a_colour_model_trains_on_its_digits_repeated_over_3_channe
     assert verdict["passed"] and [c["passed"] for c in verdict["checks"]] == [None] + [True] * 5 + [None] * 2
     learning = verdict["checks"][5]["figure"]
     assert float(re.search(r"-> (\S+)% \(target 0%\)$", learning).group(1)) >= 90  # (90%: ToyModel's target)
+
+
+def test_the_smoke_of_an_adamw_copy_asks_its_loss_to_fall_not_sgds_90_percent_and_passes(runs):
+    """AdamW at lr 1e-3, weight decay 0.01, through edit 3: --smoke with --cores 1. The digits' 90% is what ToyModel
+    with SGD reaches in 80 steps; AdamW's test loss must fall, and does, and every check PASSes."""
+    verdict = json.loads(ok(runs["fit"]).stdout.split("\nADAMW ")[1].splitlines()[0])
+    assert verdict["passed"] and [c["passed"] for c in verdict["checks"]] == [None] + [True] * 5 + [None] * 2
+    learning = re.search(
+        r"(\S+) untrained -> (\S+) at best .* -> (\S+)% \(target 0%\)$", verdict["checks"][5]["figure"]
+    )
+    assert float(learning.group(2)) < 0.6 * float(learning.group(1)) and float(learning.group(3)) > 75, learning
 
 
 def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(runs):
@@ -2901,12 +2927,13 @@ def test_the_arithmetic_check_finds_one_bit_off_in_its_known_answer(monkeypatch)
 
 
 def test_the_learning_check_asks_any_data_for_a_falling_test_loss_and_the_synthetic_digits_for_90_percent():
-    def learning(untrained, losses, accuracy, target=0.0, data_target=None, model=None):
+    def learning(untrained, losses, accuracy, target=0.0, data_target=None, model=None, optimizer=torch.optim.SGD):
         test = types.SimpleNamespace() if data_target is None else types.SimpleNamespace(smoke_target=data_target)
         run = types.SimpleNamespace(
             args=types.SimpleNamespace(target_accuracy=target), test=types.SimpleNamespace(dataset=test)
         )
         run.model = model or tt.ToyModel()
+        run.optimizer = optimizer(run.model.parameters(), lr=0.1)
         run.untrained = tt.TestResult(untrained, 33.0, 96)
         run.epochs = [dict(test_loss=loss, accuracy=accuracy) for loss in losses]
         return tt.check_learning(run)[0]
@@ -2918,6 +2945,7 @@ def test_the_learning_check_asks_any_data_for_a_falling_test_loss_and_the_synthe
     yours = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3))  # the digits' 90% is ToyModel's: yours must learn
     assert learning(2.3, [0.93], 82.0, data_target=90.0, model=yours)  # (measured: 8 healthy devices)
     assert not learning(2.3, [2.2999999], 10.0, data_target=90.0, model=yours)
+    assert learning(2.3, [1.2], 82.0, data_target=90.0, optimizer=torch.optim.AdamW)  # and 90% is SGD's (measured)
     assert not learning(2.3, [0.5], 85.0, target=88.0) and learning(2.3, [0.5], 89.0, target=88.0)
     assert tt.dataset(tt.parse_args(["--data", "synthetic"]), train=False).smoke_target == 90.0
 
