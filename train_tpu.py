@@ -459,7 +459,8 @@ def save(run, *, next_epoch, steps_done, test=None):
         xm.save(ckpt, written, master_only=True, global_master=True)  # Every replica syncs; only the master writes.
     else:
         shutil.rmtree(written, ignore_errors=True)
-        with warnings.catch_warnings(action="ignore"):  # that no process group is set: this process is the whole run
+        with warnings.catch_warnings():  # (not action=: Python 3.10, a TPU VM's, lacks it)
+            warnings.simplefilter("ignore")  # DCP's, that no process group is set: this process is the whole run
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
     if run.master:
         fs = store(out)
@@ -518,7 +519,8 @@ def load_checkpoint(path):
     fs = store(path)
     try:
         if fs.isdir(path):
-            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(action="ignore"):
+            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (DCP's notices)
                 if "://" in path:  # (a bucket's, fetched first)
                     fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
                 dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
@@ -561,7 +563,8 @@ def resume(run):
         run.schedule.load_state_dict(ckpt["schedule"])
     else:
         run.schedule.last_epoch = (ckpt["epoch"] - 1) * run.steps + done - 1
-        with warnings.catch_warnings(action="ignore"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             run.schedule.step()
     run.history, run.epochs = ckpt["history"], ckpt["epochs"]
     hook("resumed", run, ckpt, done)  # the instruments' check of what it computes, and the format's conversion
@@ -1702,14 +1705,6 @@ def bug_line(e):
     ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
     where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
     return f"failed: {type(e).__name__}: {first_line(e)} ({where}traceback above)"
-
-
-@contextlib.contextmanager
-def quietly():
-    """Silences torchvision's download attempts and DCP's notices: the whole process, the other v2/v3 replica too."""
-    with ONE_REPLICA_AT_A_TIME, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: SIM117
-        with contextlib.redirect_stderr(null), warnings.catch_warnings(action="ignore"):
-            yield
 
 
 def tell(out_dir, line, stream=None, log="log.txt"):  # Prints a line, and keeps it in OUT/log.txt (or another log).
