@@ -1534,7 +1534,7 @@ def test_a_sighup_taken_before_the_sigterm_that_came_with_it_is_sigterms_stop_ev
 
 
 def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_batch_over_their_seconds(monkeypatch):
-    printed, clock = [], iter([100.0, 107.0])  # step 3's graph traced at 100 s, step 30 finished at 107 s
+    printed, clock = [], iter([100.0, 107.0, 108.0])  # step 3's graph traced at 100 s, step 30 finished at 107 s
     monkeypatch.setattr(tt, "HOOKS", {})  # the trainer's own line
     monkeypatch.setattr(tt, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     monkeypatch.setattr(tt, "say", lambda run, line: printed.append(line))
@@ -1551,6 +1551,7 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     monkeypatch.setattr(tt, "compiles", lambda: (7, 1.5))
     monkeypatch.setattr(tt, "fallback_ops", lambda: "none")
     vars(run).update(epoch=1, warm_compiles=5, compiles_at_start=7, transfers_at_start=tt.transfers(), board=None)
+    vars(run).update(world=1, epoch_began=100.0, args=types.SimpleNamespace(max_recompiles=None, smoke=False))
     run.save_every = 10  # (set: no agreement)
     tt.count_epoch(run, run.epochs[-1])
     assert "| this epoch 0 | recompiles after warm-up 2 |" in printed[-1]  # 7 compiled, 5 of them by the warm-up's end

@@ -336,7 +336,6 @@ def train_epoch(run, batches, epoch, skip):
     if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
     asked = stop_asked(run, epoch * run.steps)
-    hook("epoch_end", run)  # (--max-recompiles counts before the evaluation)
     torch_xla.sync()
     read_losses(run, epoch)  # A wait for every step launched.
     rate = None  # samples/s after the warm-up steps
@@ -346,9 +345,8 @@ def train_epoch(run, batches, epoch, skip):
     tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
     say(run, f"epoch {epoch} done | {tested} | {'untimed' if rate is None else f'{rate:,.0f} samples/s'}")
     run.epochs.append(dict(epoch=epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate))
-    hook("epoch_row", run, run.epochs[-1])  # the instruments' counters, in the row
+    hook("epoch_done", run, run.epochs[-1])  # the instruments' counters, in the row (--max-recompiles: exit 3, saved)
     save(run, next_epoch=epoch + 1, steps_done=0, test=test)
-    hook("epoch_saved", run)  # (--max-recompiles: exit 3)
     if asked and epoch < run.args.epochs:  # After the last epoch the run finishes.
         stop(run, asked, f"epoch {epoch + 1} step 0")
 
@@ -871,6 +869,7 @@ def started(run):  # once the replica's runtime started
     run.kind, run.out_dir = xr.device_type(), run.args.out_dir
     run.checks, run.places, run.untrained, run.board = [], None, None, None  # --smoke's; TensorBoard's writer
     run.warm_compiles, run.recompiles, run.save_every = None, 0, None  # the counters', and --save-minutes'
+    run.over = None  # an Exit past --max-recompiles
     control.devices[run.rank] = xr.local_ordinal()  # (its chip on this host, from v4 on; on v2/v3 a core of one)
     if run.service:
         control.orphan_watch()
@@ -911,16 +910,18 @@ def scalar(run, name, value, step):  # TensorBoard's x axis counts steps over ev
         run.board.add_scalar(name, value, (run.epoch - 1) * run.steps + step)
 
 
-def count_recompiles(run):  # at the epoch's end, before its evaluation compiles
+def count_epoch(run, row):
+    """After the epoch's evaluation: its counters in its row and a line, and TensorBoard's scalars. Past
+    --max-recompiles, the run exits 3 once the epoch is saved (saved())."""
+    run.epoch_seconds = time.perf_counter() - run.epoch_began
     recompiles = 0
     if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
         recompiles = compiles()[0] - run.warm_compiles
     run.recompiles = int(agree(run, [recompiles])[0])  # the most of any replica, which --max-recompiles tests
-    run.epoch_seconds = time.perf_counter() - run.epoch_began
-
-
-def count_epoch(run, row):
-    """After the epoch's evaluation: its counters in its row and a line, and TensorBoard's scalars."""
+    limit = run.args.max_recompiles
+    if limit is not None and run.recompiles > limit and not run.args.smoke:
+        why = f"{run.recompiles} graphs compiled after warm-up (the first epoch trained here)"
+        run.over = Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
     if run.warm_compiles is None:
         run.warm_compiles = compiles()[0]  # counted after the first evaluation, whose graph is part of the warm-up
     total, seconds = compiles()
@@ -942,13 +943,6 @@ def count_epoch(run, row):
     if run.save_every is None and run.args.save_minutes:  # On time from the first epoch trained here, as it took.
         seconds = float(agree(run, [run.epoch_seconds / run.steps])[0])  # the slowest replica's: one interval for all
         run.save_every = max(1, int(60 * run.args.save_minutes / seconds))
-
-
-def check_recompiles(run):  # after the epoch's checkpoint: --max-recompiles (--smoke: its check)
-    limit = run.args.max_recompiles
-    if limit is not None and run.recompiles > limit and not run.args.smoke:
-        why = f"{run.recompiles} graphs compiled after warm-up (the first epoch trained here)"
-        raise Exit(3, f"failed: {why}, over --max-recompiles {limit}: the graph changes from step to step")
 
 
 def stopping(run, signum):  # The stop's signal: the launcher's own, which it passed on as SIGTERM to the service.
@@ -1758,6 +1752,8 @@ def saved(run):  # after each checkpoint, the master's scalars reach the disk, a
         run.board.flush()
     if run.master:
         upload_logs(run.out_dir, run.control.launched)
+    if run.over is not None:  # (count_epoch's)
+        raise run.over
 
 
 def log_scalars(run, row):  # a logged step's, in TensorBoard
@@ -1816,9 +1812,7 @@ HOOKS.update(
     epoch=start_epoch,
     save_now=on_time,
     logged=log_scalars,
-    epoch_end=count_recompiles,
-    epoch_row=count_epoch,
-    epoch_saved=check_recompiles,
+    epoch_done=count_epoch,
     saved=saved,
     stopping=stopping,
     resumed=converted,
