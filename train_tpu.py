@@ -611,10 +611,12 @@ def launch(args):
     xmp.spawn; or under SPMD this process, over every device."""
     if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
-    if args.coordinator_port is None:  # On a TPU torch_xla's default, alike on every host; here a free one.
-        with socket.socket() as s:  # (gRPC shares a port silently: SO_REUSEPORT)
+    if args.coordinator_port is None and os.environ.get("PJRT_DEVICE") == "TPU":
+        args.coordinator_port = 8547  # torch_xla's default (csrc/runtime/xla_coordinator.cpp): alike on every host
+    elif args.coordinator_port is None:  # a free one: gRPC would share a busy port silently (SO_REUSEPORT)
+        with socket.socket() as s:
             s.bind(("localhost", 0))
-            args.coordinator_port = 8547 if os.environ.get("PJRT_DEVICE") == "TPU" else s.getsockname()[1]
+            args.coordinator_port = s.getsockname()[1]
     # A stop signal: this process's replica stops at its next step; replica processes, which ignore it until their
     # service takes it, at the service's. Either way this process ends after them, with their exit.
     STOP.signum = 0  # (a run before this one in the process, in a notebook say, may have stopped)
