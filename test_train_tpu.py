@@ -843,7 +843,8 @@ def started(tmp_path_factory, gcs):
         "pod_smoke": lambda: on_slice(  # your copy, started under nohup, and sent SIGHUP
             yours_folder,
             "pod-smoke",
-            *["--smoke", *YOURS, "--log-steps", 5],
+            # 15 steps an epoch on 4 devices, as on 2 at --batch-size 16: 7 left the schedule's loss where it began
+            *["--smoke", *YOURS, "--batch-size", 8, "--log-steps", 5],
             patch=POD_FAULTS,
             timeout=180,
             when={0: ("epoch 1 step 5/", (signal.SIGHUP,))},
@@ -1813,7 +1814,8 @@ def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(ru
         last_line(back).startswith("train_tpu.py: failed: test accuracy ") and "--target-accuracy 100.5" in back.stderr
     )
     resumed = final(conv)  # --lr given anew: the optimizer the resumed run stepped with took it
-    assert [g["lr"] for g in resumed["optimizer"]["param_groups"]] == [0.02] and resumed["settings"]["lr"] == 0.02
+    assert resumed["settings"]["lr"] == 0.02  # and the schedule ended at a tenth of it:
+    assert [g["lr"] for g in resumed["optimizer"]["param_groups"]] == [pytest.approx(0.002, rel=1e-9)]
     assert "| lr 0.02 |" in back.stdout
 
 
@@ -1956,7 +1958,7 @@ def test_static_layerdrop_compiles_one_graph_and_trains_without_tensorboard_sayi
 # ---- the smoke verdict ---------------------------------------------------------------------------------------------
 FIT_SMOKE = """
 import json, torch, train_tpu as tt
-r = tt.fit("--smoke", "--cores", 1, "--steps-per-epoch", 20, "--out-dir", "fit")
+r = tt.fit("--smoke", "--cores", 1, "--out-dir", "fit")
 images, labels = tt.dataset(tt.parse_args(["--data", "synthetic"]), train=False).tensors
 with torch.no_grad():
     accuracy = 100 * (r.model(tt.model_input(images)).argmax(1) == labels).float().mean().item()
@@ -2058,7 +2060,7 @@ def test_fit_returns_the_final_model_history_and_smoke_verdict_to_the_caller(run
     assert [checks["collectives"], checks["replicas"]] == [None, None] and skipped == [
         "one replica (under SPMD, one program over every device)"
     ] * 2
-    assert got["steps"] == 4 and got["first"]["step"] == 10 and got["device"] == "cpu"  # the logged steps
+    assert got["steps"] == 8 and got["first"]["step"] == 10 and got["device"] == "cpu"  # the logged steps
     assert got["accuracy"] == pytest.approx(got["epochs"][-1]["accuracy"], abs=0.02)  # the final model, on the host
     assert "  SKIP  devices" in r.stdout and "smoke verdict: PASS" in r.stdout
     args = tt.parse_args(["--data", "synthetic"])
@@ -2498,7 +2500,7 @@ def test_your_model_with_batchnorm_and_dropout_on_data_that_allows_60_percent_pa
         assert code == 0 and "smoke verdict: PASS" in out, (name, out[-2000:] + err[-2000:])
         verdict = json.loads((folder / name / "verdict.json").read_text())
         accuracy = final(folder / name)["epochs"][-1]["accuracy"]
-        assert 40 < accuracy < 75, (name, accuracy)  # learned, as far as the data allows
+        assert 30 < accuracy < 75, (name, accuracy)  # learned (10%: chance), as far as 30 steps and the data allow
         learning = next(c for c in verdict["checks"] if c["name"] == "learning")
         assert learning["passed"] and learning["figure"].endswith(f"-> {accuracy:.2f}% (target 0%)"), learning
     assert "2 devices, SPMD" in runs["yours"][0].stdout  # (--cores 1: the stock copy, below)
@@ -3070,7 +3072,7 @@ def test_the_smoke_test_on_a_slice_gives_one_verdict_that_names_the_faulty_chips
     assert "smoke verdict: FAIL" in runs["pod_smoke"][0][0][1] + runs["pod_smoke"][1][0][1]  # printed by the master
     figure = "0 graphs compiled after warm-up, the most in any process (allowed 0), CPU fallback ops: none"
     assert checks["compilation"]["figure"] == figure and "(96 samples)" in runs["pod_smoke"][0][0][1]
-    assert "4 devices, a replica each | global batch 64" in runs["pod_smoke"][0][0][1]  # (and SIGHUP under nohup)
+    assert "4 devices, a replica each | global batch 32" in runs["pod_smoke"][0][0][1]  # (and SIGHUP under nohup)
 
 
 def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_writes_late_and_resumes_as_eager(runs):
