@@ -865,18 +865,8 @@ def started(tmp_path_factory, gcs):
         ),
         "pod_stop": lambda: pod_stopped_then_one_raises(root),
     }
-    first = (
-        "stock",
-        "straight",
-        "mine",
-        "fit",
-        "pod_lost",
-        "pod_killed",
-        "pod_stop",
-        "pod_start",
-        "pod_smoke",
-    )  # the slow, and those
-    # that wait long for the coordination service, first
+    # the slow jobs, and those that wait long for the coordination service, first
+    first = ("stock", "straight", "mine", "fit", "pod_lost", "pod_killed", "pod_stop", "pod_start", "pod_smoke")
     jobs = {name: jobs[name] for name in first} | jobs  # the longest first: the pool's last job ends the session
     only = os.environ.get("RUNS_ONLY", ",".join([*jobs, "smoke_spmd_32"])).split(",")  # when working on one property
     # 32 devices in one process take 16 GB of this machine's 24: those runs wait for the pool's end, then run alone.
@@ -2552,16 +2542,16 @@ def cosine(steps):  # a copy's schedule: the lr's factor, from 1 at step 0 down 
     return lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
 
 
-def resumed(tmp_path, ckpt, flags):
-    """A copy whose edit point returns Adam and a cosine schedule over the run (--epochs of 10 steps), resumed from
-    `ckpt` (saved as c.pt) with `flags`."""
+def resumed(tmp_path, ckpt, flags, steps=10, batch=8):
+    """A copy whose edit point returns Adam and a cosine schedule over the run (--epochs of `steps` steps of `batch`
+    samples), resumed from `ckpt` (saved as c.pt) with `flags`."""
     torch.save(ckpt, tmp_path / "c.pt")
-    run = fake_run(1, 0, 8)
-    vars(run).update(args=tt.parse_args(["--resume", tmp_path / "c.pt", *flags]), model=tt.ToyModel(), steps=10)
-    vars(run).update(global_batch=8, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None)
+    run = fake_run(1, 0, batch)
+    vars(run).update(args=tt.parse_args(["--resume", tmp_path / "c.pt", *flags]), model=tt.ToyModel(), steps=steps)
+    vars(run).update(global_batch=batch, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None)
     run.optimizer = torch.optim.Adam(run.model.parameters(), lr=run.args.lr)
     run.schedule = torch.optim.lr_scheduler.LambdaLR(run.optimizer, cosine(run.args.epochs * run.steps))
-    assert tt.resume(run) == (ckpt["epoch"], ckpt["samples"] // 8)
+    assert tt.resume(run) == (ckpt["epoch"], ckpt["samples"] // batch)
     return run
 
 
@@ -2599,6 +2589,12 @@ def test_a_resume_keeps_the_optimizers_own_param_groups_and_schedule_but_for_the
         assert group["lr"] == pytest.approx(lr, rel=1e-12) and group["betas"] == (0.8, 0.99), flags
     old = {k: v for k, v in ckpt.items() if k != "schedule"}  # saved before the schedule: it starts at its step
     assert resumed(tmp_path, old, []).optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * cosine(30)(14))
+    for _ in range(5):
+        schedule.step()  # to step 20: the end of epoch 2 of 10 steps, which any batch size divides
+    boundary = dict(ckpt, epoch=3, samples=0, schedule=schedule.state_dict())
+    assert resumed(tmp_path, boundary, []).schedule.last_epoch == 20
+    run = resumed(tmp_path, boundary, ["--batch-size", 256], steps=5, batch=16)  # steps of twice the samples
+    assert run.schedule.last_epoch == 10 and run.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * cosine(15)(10))
 
 
 def test_a_checkpoint_keeps_every_flag_as_a_setting_but_where_and_how_the_process_runs(runs):

@@ -159,7 +159,7 @@ def build_optimizer(args, model, steps):
     """The optimizer, and a torch.optim.lr_scheduler stepped after each of the run's `steps`. Here SGD with momentum, on
     the schedule most runs use: --lr reached linearly over the first 5% of the steps (a large global batch can diverge
     at its full rate from the start), then a cosine down to a tenth of it at the end, as nanoGPT's."""
-    # foreach=True updates every parameter in one traced op. An op per parameter took a third of the host's step time.
+    # foreach=True: one call updates every parameter. A Python loop over them took a third of the host's step time.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     warmup = max(1, steps // 20)
 
@@ -562,12 +562,15 @@ def resume(run):
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
-    # The schedule goes on as saved. --lr, --epochs or --steps-per-epoch given anew reshape it from the saved step on
-    # (as does a checkpoint saved before it had one; PyTorch's warning of a first step is of no matter then).
-    if "schedule" in ckpt and not {"lr", "epochs", "steps_per_epoch"} & given:
-        run.schedule.load_state_dict(ckpt["schedule"])
+    # The schedule goes on as saved. It is reshaped from this step of the run on if --lr, --epochs or --steps-per-epoch
+    # is given anew, or if a step is another size (another batch or device count: the saved count of steps is not this
+    # run's), or if the checkpoint has none (saved before it had; PyTorch's warning of a first step is of no matter).
+    at = (ckpt["epoch"] - 1) * run.steps + done
+    saved = ckpt.get("schedule") or {}
+    if saved.get("last_epoch") == at and not {"lr", "epochs", "steps_per_epoch"} & given:
+        run.schedule.load_state_dict(saved)
     else:
-        run.schedule.last_epoch = (ckpt["epoch"] - 1) * run.steps + done - 1
+        run.schedule.last_epoch = at - 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run.schedule.step()
