@@ -556,8 +556,9 @@ def resume(run):
         why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
         raise Exit(2, f"error: --resume {path}: {why}") from e
     given = {name for name, value in ckpt["settings"].items() if getattr(args, name, value) != value}  # anew
-    for group in run.optimizer.param_groups:  # but a --momentum given anew
-        group.update({"momentum": args.momentum} if "momentum" in given and "momentum" in group else {})
+    for group in run.optimizer.param_groups:  # as saved, but for a --momentum given anew (SGD's; Adam has none)
+        if "momentum" in given and "momentum" in group:
+            group["momentum"] = args.momentum
     done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
     if rest or done >= run.steps:
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
