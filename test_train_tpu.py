@@ -2542,15 +2542,17 @@ def cosine(steps):  # a copy's schedule: the lr's factor, from 1 at step 0 down 
     return lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
 
 
-def resumed(tmp_path, ckpt, flags, steps=10, batch=8):
+def resumed(tmp_path, ckpt, flags, steps=10, batch=8, schedule=None):
     """A copy whose edit point returns Adam and a cosine schedule over the run (--epochs of `steps` steps of `batch`
-    samples), resumed from `ckpt` (saved as c.pt) with `flags`."""
+    samples), or the `schedule` given, resumed from `ckpt` (saved as c.pt) with `flags`."""
     torch.save(ckpt, tmp_path / "c.pt")
     run = fake_run(1, 0, batch)
     vars(run).update(args=tt.parse_args(["--resume", tmp_path / "c.pt", *flags]), model=tt.ToyModel(), steps=steps)
     vars(run).update(global_batch=batch, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None)
     run.optimizer = torch.optim.Adam(run.model.parameters(), lr=run.args.lr)
     run.schedule = torch.optim.lr_scheduler.LambdaLR(run.optimizer, cosine(run.args.epochs * run.steps))
+    if schedule is not None:
+        run.schedule = schedule(run.optimizer)
     assert tt.resume(run) == (ckpt["epoch"], ckpt["samples"] // batch)
     return run
 
@@ -2595,6 +2597,20 @@ def test_a_resume_keeps_the_optimizers_own_param_groups_and_schedule_but_for_the
     assert resumed(tmp_path, boundary, []).schedule.last_epoch == 20
     run = resumed(tmp_path, boundary, ["--batch-size", 256], steps=5, batch=16)  # steps of twice the samples
     assert run.schedule.last_epoch == 10 and run.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * cosine(15)(10))
+
+    def chained(optimizer):  # a schedule whose state counts no steps of its own
+        lr = torch.optim.lr_scheduler
+        return lr.ChainedScheduler([lr.LinearLR(optimizer, 0.5, total_iters=30), lr.ExponentialLR(optimizer, 0.95)])
+
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    chain = chained(adam)
+    for _ in range(14):
+        adam.step()
+        chain.step()
+    run = resumed(tmp_path, dict(ckpt, optimizer=adam.state_dict(), schedule=chain.state_dict()), [], schedule=chained)
+    run.schedule.step()
+    chain.step()
+    assert run.optimizer.param_groups[0]["lr"] == pytest.approx(adam.param_groups[0]["lr"], rel=1e-12)  # as saved
 
 
 def test_a_checkpoint_keeps_every_flag_as_a_setting_but_where_and_how_the_process_runs(runs):

@@ -564,11 +564,11 @@ def resume(run):
         why = f"{ckpt['samples']} samples into its epoch are no whole step of this run's {run.steps}"
         raise Exit(2, f"error: --resume {path}: {why}: resume with the batch size and --steps-per-epoch it had")
     # The schedule goes on as saved. It is reshaped from this step of the run on if --lr, --epochs or --steps-per-epoch
-    # is given anew, or if a step is another size (another batch or device count: the saved count of steps is not this
-    # run's), or if the checkpoint has none (saved before it had; PyTorch's warning of a first step is of no matter).
+    # is given anew, or if a step is another size (another batch or device count: the steps it saved counted others),
+    # or if the checkpoint has none (saved before it had; PyTorch's warning of a first step is of no matter then).
     at = (ckpt["epoch"] - 1) * run.steps + done
-    saved = ckpt.get("schedule") or {}
-    if saved.get("last_epoch") == at and not {"lr", "epochs", "steps_per_epoch"} & given:
+    saved = ckpt.get("schedule")
+    if saved and saved.get("last_epoch", at) == at and not {"lr", "epochs", "steps_per_epoch"} & given:
         run.schedule.load_state_dict(saved)
     else:
         run.schedule.last_epoch = at - 1
