@@ -2490,7 +2490,7 @@ def test_your_model_with_batchnorm_and_dropout_on_data_that_allows_60_percent_pa
         assert code == 0 and "smoke verdict: PASS" in out, (name, out[-2000:] + err[-2000:])
         verdict = json.loads((folder / name / "verdict.json").read_text())
         accuracy = final(folder / name)["epochs"][-1]["accuracy"]
-        assert 30 < accuracy < 75, (name, accuracy)  # learned (10%: chance), as far as 30 steps and the data allow
+        assert 30 < accuracy < 75, (name, accuracy)  # (3 classes, chance 33%: that it learned is the row below)
         learning = next(c for c in verdict["checks"] if c["name"] == "learning")
         assert learning["passed"] and learning["figure"].endswith(f"-> {accuracy:.2f}% (target 0%)"), learning
     assert "2 devices, SPMD" in runs["yours"][0].stdout  # (--cores 1: the stock copy, below)
