@@ -843,8 +843,8 @@ def started(tmp_path_factory, gcs):
         "pod_smoke": lambda: on_slice(  # your copy, started under nohup, and sent SIGHUP
             yours_folder,
             "pod-smoke",
-            # 15 steps an epoch on 4 devices, as on 2 at --batch-size 16: 7 left the schedule's loss where it began
-            *["--smoke", *YOURS, "--batch-size", 8, "--log-steps", 5],
+            # 15 steps an epoch, as on 2 devices: your 480 images read twice an epoch (7 steps left the loss as it was)
+            *["--smoke", *YOURS, "--log-steps", 5],
             patch=POD_FAULTS,
             timeout=180,
             when={0: ("epoch 1 step 5/", (signal.SIGHUP,))},
@@ -2358,7 +2358,8 @@ def build_model(args):
 
 
 """
-YOURS = ["--data-dir", "pngs", "--batch-size", 16, "--workers", 2]  # 480 PNGs: 15 steps of 32 samples per epoch
+# 480 PNGs, --smoke's 15 steps of 32 samples an epoch on 2 devices (its own 40 would read them 2.7 times an epoch)
+YOURS = ["--data-dir", "pngs", "--batch-size", 16, "--workers", 2, "--steps-per-epoch", 15]
 READS = """
 import torchvision
 real_getitem = torchvision.datasets.DatasetFolder.__getitem__
@@ -2454,7 +2455,7 @@ STOCK_MODEL = """def build_model(args):  # a stock torchvision CNN, BatchNorm an
 
 
 """
-STOCK = ["--batch-size", 16, "--lr", 0.01]  # 24 steps an epoch in two replicas: a share of 384 samples
+STOCK = ["--batch-size", 16, "--lr", 0.01, "--steps-per-epoch", 24]  # two replicas: 768 samples once an epoch
 
 
 def stock(root):
@@ -3084,7 +3085,9 @@ def test_the_smoke_test_on_a_slice_gives_one_verdict_that_names_the_faulty_chips
     assert "smoke verdict: FAIL" in runs["pod_smoke"][0][0][1] + runs["pod_smoke"][1][0][1]  # printed by the master
     figure = "0 graphs compiled after warm-up, the most in any process (allowed 0), CPU fallback ops: none"
     assert checks["compilation"]["figure"] == figure and "(96 samples)" in runs["pod_smoke"][0][0][1]
-    assert "4 devices, a replica each | global batch 32" in runs["pod_smoke"][0][0][1]  # (and SIGHUP under nohup)
+    assert "4 devices, a replica each | global batch 64" in runs["pod_smoke"][0][0][1]  # (and SIGHUP under nohup)
+    twice = "smoke | 2 epochs of 15 steps of 64: 2.0 passes over the training set's 480 samples an epoch"
+    assert twice in runs["pod_smoke"][0][0][1] and checks["learning"]["passed"]  # your images, read as often as need be
 
 
 def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_writes_late_and_resumes_as_eager(runs):

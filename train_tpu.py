@@ -1390,10 +1390,11 @@ def smoke_shaped(model, data):
 
 
 def smoke_training_set(run, data):
-    """--smoke trains as many steps on 32 devices as on 1, 2 epochs of 40: the synthetic digits are read as often as
-    they need. (Their 12,000 give 8 devices 11 steps of 1,024 samples an epoch: too few to learn, on a healthy VM.)"""
+    """--smoke trains as many steps on 32 devices as on 1, 2 epochs of 40: its data, the digits or your own, is read as
+    often as they need. (The digits' 12,000 give 8 devices 11 steps of 1,024 samples an epoch: too few to learn on a
+    healthy VM. 480 images of yours gave 4 devices 7 steps of 64: their loss did not fall 1% under the schedule.)"""
     need = run.args.steps_per_epoch * run.global_batch
-    if len(data) >= need or getattr(data, "smoke_target", None) is None:  # Your own data is read as it is.
+    if len(data) >= need:
         return data
     steps = f"{run.args.epochs} epochs of {run.args.steps_per_epoch} steps of {run.global_batch}"
     say(run, f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
