@@ -542,13 +542,13 @@ xm.collective_broadcast = collective_broadcast
 """
 FAILS_TO_START = "raise RuntimeError('TPU initialization failed: The TPU is already in use by process with pid 4242.')"
 START_IN_REPLICA = f"""
-real_start = tt.start_replica
-def start_replica(*args):  # replica 1's chip is held by another process: its runtime fails as it asks for its device
+real_device = torch_xla.device
+def device(*args):  # replica 1's chip is held by another process: its runtime fails as it asks for its device
     if xr.global_ordinal() == 1:
         print("FAULT: replica 1's runtime fails", flush=True)
         {FAILS_TO_START}
-    return real_start(*args)
-tt.start_replica = start_replica
+    return real_device(*args)
+torch_xla.device = device
 """
 REPLICA_1_DIES = """
 real_step = xm.optimizer_step
@@ -1375,7 +1375,7 @@ def test_the_smoke_deadline_fails_the_replica_furthest_behind_and_after_the_verd
     ended = []
     monkeypatch.setattr(tt.Control, "end", lambda control, e: ended.append(e))  # (the real one ends this process)
     control = tt.Control(tt.parse_args(["--smoke", "--smoke-timeout", 0.1]), str(tmp_path))
-    control.devices.update({0: 0, 1: 1})  # (as start_replica sets them)
+    control.devices.update({0: 0, 1: 1})  # (as train() sets them at its start)
     for stage in ("setup", "devices", "training"):  # (before the deadline starts: a loaded machine writes slowly)
         control.set_stage(0, stage)
     control.set_stage(1, "setup")
@@ -1963,17 +1963,16 @@ tt.fit("--resume", "fit", "--cores", 1, "--target-accuracy", 90)
 FIT_ENDS = """
 print("RESUMED", flush=True)  # (after FIT_SMOKE, in its process) fit()'s ends, each an exception
 import os, signal, time, torch_xla, train_tpu as tt
-start_replica, train_step = tt.start_replica, tt.train_step
-def interrupted(*args):  # Ctrl-C (a notebook's interrupt) as the replica's runtime starts: before training
-    run = start_replica(*args)
+started, train_step = tt.HOOKS["started"], tt.train_step
+def interrupted(run):  # Ctrl-C (a notebook's interrupt) as the replica's runtime starts: before training
+    started(run)
     os.kill(os.getpid(), signal.SIGINT)
-    return run
-tt.start_replica = interrupted
+tt.HOOKS["started"] = interrupted
 try:
     tt.fit("--cores", 1, "--data", "synthetic", "--out-dir", "fit-int")
 except tt.Exit as e:
     print("RAISED", e.code, e.line, flush=True)
-tt.start_replica, tt.STOP_GRACE = start_replica, 1
+tt.HOOKS["started"], tt.STOP_GRACE = started, 1
 steps = []
 def slow_step(run, batch, keep):  # step 3 is SIGTERM's, and takes 30 s: its grace runs out
     steps.append(1)
@@ -2240,8 +2239,8 @@ def test_sigterm_to_the_group_while_replica_processes_import_torch_is_a_stop_wit
 
 def test_a_replica_whose_runtime_fails_to_start_ends_the_run_named_and_under_smoke_with_a_verdict(runs):
     """Replica 1's chip is held by another process. Its runtime fails where the replica asks for its device
-    (start_replica); replica 0 waits for it in its first collective. Under --smoke, whose FAIL row holds the line that
-    ends a run without it. (A failure in xmp.spawn's own start of the process: the slice's test.)"""
+    (torch_xla.device()); replica 0 waits for it in its first collective. Under --smoke, whose FAIL row holds the line
+    that ends a run without it. (A failure in xmp.spawn's own start of the process: the slice's test.)"""
     busy = "TPU initialization failed: The TPU is already in use by process with pid 4242."
     code, out, err, left, after_fault = runs["smoke_start_in_replica"]
     assert code == 5 and not left and after_fault < 60, err[-3000:]

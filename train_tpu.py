@@ -5,9 +5,8 @@ on every TPU core (xmp.spawn), or from one process that shards each batch over e
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
-# The trainer comes first, then one block of instruments (the smoke test, run control, the checks, the format
-# conversion, fit()), which puts its functions in HOOKS for the trainer to call (hook()). Without the block, HOOKS is
-# empty and the trainer runs alone: sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
+# The trainer comes first. The block of instruments after it adds to the run at the points where the trainer calls
+# hook(). Without the block the trainer runs alone: sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
 
 import argparse
 import atexit
@@ -36,9 +35,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
 
-USER_DEVICE = os.environ.get("PJRT_DEVICE")  # as the user set it: `import torch_xla` sets it if unset
+# A torch_xla built for another torch fails to import, and so, on a TPU VM, does one whose metadata server is away.
+USER_DEVICE = os.environ.get("PJRT_DEVICE")  # as the user set it: importing torch_xla sets it if unset
 XLA_IMPORT_ERROR = None
-try:  # A torch_xla built for another torch fails here, and so, on a TPU VM, does an unreachable metadata server.
+try:
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.parallel_loader as pl
@@ -50,19 +50,19 @@ try:  # A torch_xla built for another torch fails here, and so, on a TPU VM, doe
 except Exception as e:
     XLA_IMPORT_ERROR = e
 
-HOOKS = {}  # {a point of the run: the instruments' function for it}, which the block fills
+HOOKS = {}  # {a point of the run: the function for it}, which the instruments' block fills
 
 
-def hook(point, *args):  # the instruments' function for this point of the run, called: its answer, or None
+def hook(point, *args):
     return HOOKS[point](*args) if point in HOOKS else None
 
 
-# ---- flags: every one is a setting, which a resume keeps unless given again, but for where and how this process runs
+# ---- flags: each is a setting that a resume keeps unless given again, but for where and how this process runs -------
 NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_port", "smoke", "smoke_timeout")
 
 
 def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # fit() may pass numbers.
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # (fit() passes numbers too)
     p = argparse.ArgumentParser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
@@ -85,14 +85,14 @@ def parse_args(argv=None):
     p.add_argument("--layerdrop-prob", type=float, default=0.5, help="the chance that each fc2 application drops")
     p.add_argument("--log-steps", type=int, default=20, help="log every N steps, and at each epoch's end")
     p.add_argument("--save-steps", type=int, help="also checkpoint every N steps of an epoch")
-    hook("flags", p, argv)  # the instruments' flags (--smoke), and one-line errors
+    hook("flags", p, argv)
     args = p.parse_args(argv)
-    hook("parsed", p, args)  # each value in its range
+    hook("parsed", p, args)
     if args.resume:  # Parsed again, with the checkpoint's settings as the defaults: the flags given win.
         path = find_checkpoint(args.resume)
         p.set_defaults(**load_checkpoint(path)["settings"])
         args = p.parse_args(argv)
-        args.resume = path  # (a run folder's newest, now: every replica loads the same)
+        args.resume = path  # a run folder's newest: every replica loads the same
     return args
 
 
@@ -208,9 +208,9 @@ def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
     # InMemory's batches need no collating (nor those of a Subset of one, which passes its __getitems__ on).
     whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None
-    # Workers leave a stop signal to their replica, which saves, then ends them. Forked, as on Linux by default: in
-    # xmp.spawn's processes a spawned worker would import this file anew (7 CPU-s). Its own generator seeds them: the
-    # global RNG is initial_model's.
+    # Workers leave a stop signal to their replica, which saves, then ends them. They are forked, as on Linux by
+    # default: in xmp.spawn's processes a spawned worker would import this file anew (7 CPU-s). Their own generator
+    # seeds them, as the global RNG is initial_model's.
     workers = dict(num_workers=run.args.workers, worker_init_fn=ignore_stop_signals)
     workers.update(multiprocessing_context="fork" if run.args.workers and sys.platform == "linux" else None)
     workers.update(generator=torch.Generator().manual_seed(run.args.seed))
@@ -235,7 +235,8 @@ def ignore_stop_signals(worker_id=None):
 
 
 # ---- the step and evaluation -----------------------------------------------------------------------------------------
-def train_step(run, batch, keep):  # Traced lazily: nothing runs on the device until MpDeviceLoader cuts the graph.
+def train_step(run, batch, keep):
+    """One step, traced lazily: nothing runs on the device until MpDeviceLoader cuts the graph."""
     run.optimizer.zero_grad()
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=run.args.bf16):  # --bf16 (docs: perf/amp)
         x = model_input(batch["input"])
@@ -287,14 +288,51 @@ def broadcast(run, tensors):
         torch_xla.sync()
 
 
-# ---- the epochs ------------------------------------------------------------------------------------------------------
+# ---- a replica's run -------------------------------------------------------------------------------------------------
+# A preemption sends SIGTERM to every process of the VM. A replica in the launcher's process (--cores 1, --spmd) hears
+# of it from main()'s handler. In replica processes XLA's coordination service takes it, and names one step at which
+# every process of the slice stops. They join the service as torch_xla's own CheckpointManager does, through the same
+# private torch_xla._XLAC calls (torch_xla/experimental/distributed_checkpoint/manager.py; 2.9 has no public API).
+STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)  # this process's
+
+
 def train(index, args):
     """One replica's run, from xmp.spawn (index: its number on this host), or under SPMD the one process's."""
-    with hook("replica", index) or contextlib.nullcontext():  # the instruments' watch over this replica
-        run = start_replica(args)
+    with hook("replica", index) or contextlib.nullcontext():
+        if args.spmd:
+            xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
+        run = types.SimpleNamespace(
+            args=args, device=torch_xla.device(), world=1, rank=0, mesh=None, history=[], epochs=[]
+        )
+        if args.spmd:
+            run.devices = xr.global_runtime_device_count()
+            run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
+        else:
+            run.world = run.devices = xr.world_size()
+            run.rank = xr.global_ordinal()
+        run.master = run.rank == 0  # The one "am I the master": it prints, and writes the files.
+        run.global_batch = args.batch_size * run.devices
+        run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # SPMD: one process loads it all.
+        run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
+        # A replica process joins XLA's coordination service, once a process: process 0's host runs it. To the service
+        # an exit looks like a death, and when process 0 ends first the others abort: so it ends last, 3 s after its
+        # exit began (the others' exits take under 1 s here), and they end at once.
+        with STOP.lock:
+            if run.service and not STOP.joined:
+                process, count = xr.process_index(), xr.process_count()
+                host = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
+                torch_xla._XLAC._ensure_xla_coordinator_initialized(process, count, host, str(args.coordinator_port))
+                torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
+                if process == 0 and count > 1:
+                    atexit.register(time.sleep, 3)
+                elif process > 0:
+                    atexit.register(os._exit, 0)
+                STOP.joined = True
+        hook("started", run)
+
         run.model = initial_model(args).to(run.device)
         broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
-        data, test = hook("data", run) or (dataset(args, train=True), dataset(args, train=False))  # (--smoke's own)
+        data, test = hook("data", run) or (dataset(args, train=True), dataset(args, train=False))
         shard = DistributedSampler(data, run.world, run.rank, seed=args.seed, drop_last=True)  # this replica's part
         run.test = loader(run, test, range(run.rank, len(test), run.world))  # every world-th sample: each counts once
         run.steps = min(len(shard) // run.load_batch, args.steps_per_epoch or len(shard))
@@ -306,7 +344,8 @@ def train(index, args):
         where = f"out {args.out_dir}, written by ordinal 0 on {os.uname().nodename}"
         port = f" | coordination service port {args.coordinator_port}" if run.service else ""
         say(run, f"{xr.device_type()} | {sizes} | {where}{port}")
-        hook("before_training", run)  # --smoke: the untrained weights' test loss, and the devices' check
+        hook("before_training", run)
+
         first_epoch, skip = resume(run)  # (1, 0) if fresh
         hook("training", run)
         for epoch in range(first_epoch, args.epochs + 1):
@@ -316,7 +355,7 @@ def train(index, args):
             skip = 0
         accuracy = run.epochs[-1]["accuracy"]
         say(run, f"done | {args.epochs} epochs | test accuracy {accuracy:.2f}%")
-        hook("finish", run)  # --smoke: the verdict (exit 5)
+        hook("finish", run)
         if accuracy < args.target_accuracy:
             raise Exit(21, f"failed: test accuracy {accuracy:.2f}% is below --target-accuracy {args.target_accuracy:g}")
 
@@ -325,8 +364,11 @@ WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so sa
 
 
 def train_epoch(run, batches, epoch, skip):
-    """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint. A
-    step's loss is read back at the next log boundary: that step has long finished, so no step waits for the device."""
+    """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint.
+
+    After each step: a checkpoint at each --save-steps step, when the instruments ask, or at the step named for a stop,
+    and then the stop. A step's loss is read back at the next log boundary: that step has long finished, so no step
+    waits for the device."""
     run.unread, started = [], None  # [(step, its loss on the device, its lr)] of the boundaries; when timing began
     hook("epoch", run, epoch)
     step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
@@ -336,10 +378,19 @@ def train_epoch(run, batches, epoch, skip):
         if step == skip + WARMUP_STEPS + 1:  # MpDeviceLoader launched the steps before it: the clock starts here.
             started = time.perf_counter()
         if step % run.args.log_steps == 0 or step == run.steps:
-            read_losses(run, epoch, upto=step - 1)
+            read_losses(run, epoch)
             run.unread.append((step, loss, lr))
-        if step < run.steps:  # (The epoch's last step is saved below.)
-            checkpoint_or_stop(run, epoch, step)
+        if step == run.steps:  # (The epoch's last step is saved below.)
+            break
+        asked = stop_asked(run, (epoch - 1) * run.steps + step)
+        on_steps = run.args.save_steps is not None and step % run.args.save_steps == 0
+        if on_steps or asked or hook("save_now", run, epoch, step):
+            torch_xla.sync()
+            read_losses(run, epoch)  # A wait for the device: the checkpoint's history holds every step it logged.
+            test = evaluate(run) if on_steps and not asked else None  # A stop evaluates nothing: its grace is short.
+            save(run, next_epoch=epoch, steps_done=step, test=test)
+        if asked:
+            stop(run, asked, f"epoch {epoch} step {step}")
     if step != run.steps:  # A short epoch is a failed DataLoader: MpDeviceLoader ends the epoch quietly then.
         raise RuntimeError(f"epoch {epoch}'s input stopped at step {step} of {run.steps}")
     asked = stop_asked(run, epoch * run.steps)
@@ -352,30 +403,16 @@ def train_epoch(run, batches, epoch, skip):
     tested = f"test loss {test.loss:.4f} | accuracy {test.accuracy:.2f}% ({test.samples:,} samples)"
     say(run, f"epoch {epoch} done | {tested} | {'untimed' if rate is None else f'{rate:,.0f} samples/s'}")
     run.epochs.append(dict(epoch=epoch, test_loss=test.loss, accuracy=test.accuracy, samples_per_s=rate))
-    hook("epoch_done", run, run.epochs[-1])  # the instruments' counters, in the row (--max-recompiles: exit 3, saved)
+    hook("epoch_done", run, run.epochs[-1])
     save(run, next_epoch=epoch + 1, steps_done=0, test=test)
     if asked and epoch < run.args.epochs:  # After the last epoch the run finishes.
         stop(run, asked, f"epoch {epoch + 1} step 0")
 
 
-def checkpoint_or_stop(run, epoch, step):
-    """After a step: a checkpoint at each --save-steps step (or when the instruments ask), and at the step named for a
-    stop signal, then the stop."""
-    asked = stop_asked(run, (epoch - 1) * run.steps + step)
-    on_steps = run.args.save_steps is not None and step % run.args.save_steps == 0
-    if on_steps or asked or hook("save_now", run, epoch, step):
-        torch_xla.sync()
-        read_losses(run, epoch)  # A wait for the device: the checkpoint's history holds every step it logged.
-        test = evaluate(run) if on_steps and not asked else None  # A stop evaluates nothing: its grace is short.
-        save(run, next_epoch=epoch, steps_done=step, test=test)
-    if asked:
-        stop(run, asked, f"epoch {epoch} step {step}")
-
-
-def read_losses(run, epoch, upto=float("inf")):
-    """Reads back the boundaries' losses up to step `upto`, to their lines and the history, and frees them: live tensors
+def read_losses(run, epoch):
+    """Reads back the losses of the boundaries before, to their lines and the history, and frees them: live tensors
     slow every graph cut a little more."""
-    while run.unread and run.unread[0][0] <= upto:
+    while run.unread:
         step, tensor, lr = run.unread.pop(0)
         loss = float(tensor.cpu())
         run.history.append(dict(epoch=epoch, step=step, loss=loss, lr=lr))
@@ -395,22 +432,6 @@ def layerdrop_keep(run, epoch, step):
     return torch.tensor(keep, device=run.device)
 
 
-def say(run, line):  # The master prints, and keeps the line in the run's log.txt.
-    if run.master:
-        with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
-            print(line, flush=True)
-        with open(os.path.join(local_folder(run.args.out_dir), "log.txt"), "a") as f:
-            f.write(line + "\n")
-
-
-# ---- a stop signal: every replica saves at one step, then the run exits 128 + its number -----------------------------
-# A preemption sends SIGTERM to every process of the VM. A replica in the launcher's process (--cores 1, --spmd) hears
-# of it from launch()'s handler. In replica processes XLA's coordination service takes it, and names one step at which
-# every process of the slice stops: started as torch_xla's own CheckpointManager starts it, through the same private
-# torch_xla._XLAC calls (torch_xla/experimental/distributed_checkpoint/manager.py; 2.9 has no public API for them).
-STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)  # this process's
-
-
 def stop_asked(run, step):
     """After each step (counted over the epochs): the stop signal's number if this is the step to stop at, else 0."""
     if not run.service:
@@ -426,9 +447,17 @@ def stop_asked(run, step):
 
 
 def stop(run, signum, where):  # After a stop signal's checkpoint: exit 128 + the signal's number.
-    signum = hook("stopping", run, signum) or signum  # (the signal the instruments' launcher took, passed on)
+    signum = hook("stopping", run, signum) or signum
     why = f"stopped by {signal.Signals(signum).name} at {where}, checkpoint saved"
     raise Exit(128 + signum, f"{why}: continue with --resume {run.args.out_dir}")
+
+
+def say(run, line):  # The master prints, and keeps the line in the run's log.txt.
+    if run.master:
+        with contextlib.suppress(OSError):  # A reader that died (ssh gone, its `tee` killed) ends no run: EPIPE, EIO.
+            print(line, flush=True)
+        with open(os.path.join(local_folder(run.args.out_dir), "log.txt"), "a") as f:
+            f.write(line + "\n")
 
 
 # ---- checkpoints: one dict, two formats, in a folder on this machine or in a Cloud Storage bucket --------------------
@@ -455,7 +484,7 @@ def save(run, *, next_epoch, steps_done, test=None):
         "history": run.history,
         "epochs": run.epochs,
         "settings": {name: value for name, value in vars(run.args).items() if name not in NOT_SETTINGS},
-        "rng": xm.get_rng_state(run.device),  # read on the host: the seed of the next step's random ops, dropout's
+        "rng": xm.get_rng_state(run.device),  # the seed of the next step's random ops, dropout's
     }
     out = run.args.out_dir
     name = f"checkpoint-{next_epoch:04d}-{samples:09d}" + (".pt" if run.mesh is None else "")
@@ -467,14 +496,16 @@ def save(run, *, next_epoch, steps_done, test=None):
         with warnings.catch_warnings():  # (not action=: Python 3.10, a TPU VM's, lacks it)
             warnings.simplefilter("ignore")  # DCP's, that no process group is set: this process is the whole run
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
+    # A kill mid-write, or before the move, leaves the last whole checkpoints. A bucket's object appears whole, and a
+    # DCP folder counts once its .metadata is in: it is uploaded last.
     if run.master:
         fs = store(out)
-        if "://" not in out:  # A kill mid-write, or before this line, leaves the last whole checkpoints.
+        if "://" not in out:
             shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
             os.replace(written, path)
-        elif os.path.isdir(written):  # A bucket's object appears whole; a DCP folder counts once .metadata is in.
+        elif os.path.isdir(written):
             names = sorted(os.listdir(written), key=lambda n: n == ".metadata")
-            fs.put([f"{written}/{n}" for n in names], [f"{path}/{n}" for n in names])  # (in order: .metadata last)
+            fs.put([f"{written}/{n}" for n in names], [f"{path}/{n}" for n in names])
             shutil.rmtree(written)
         else:
             fs.put_file(written, path)
@@ -576,87 +607,24 @@ def resume(run):
             warnings.simplefilter("ignore")
             run.schedule.step()
     run.history, run.epochs = ckpt["history"], ckpt["epochs"]
-    hook("resumed", run, ckpt, done)  # the instruments' check of what it computes, and the format's conversion
+    hook("resumed", run, ckpt, done)
     # Every torch_xla.sync() moves the device's RNG on: set now, dropout goes on with the masks it would have drawn.
     xm.set_rng_state(ckpt["rng"], run.device)
     say(run, f"resume | {path}: continuing at epoch {ckpt['epoch']} of {args.epochs}, after step {done}")
     return ckpt["epoch"], done
 
 
-# ---- launch: xmp.spawn, a replica per device, or SPMD in this process ------------------------------------------------
-def start_replica(args):
-    """Starts this replica's runtime, and returns its state, `run` (under SPMD, the one process's). A replica process
-    joins XLA's coordination service, once a process: process 0's host runs it."""
-    if args.spmd:
-        xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
-    run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None, history=[], epochs=[])
-    if args.spmd:
-        run.devices = xr.global_runtime_device_count()
-        run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
-    else:
-        run.world, run.rank = xr.world_size(), xr.global_ordinal()
-        run.devices = run.world
-    run.master = run.rank == 0  # The one "am I the master": it prints, and writes the files.
-    run.global_batch = args.batch_size * run.devices
-    run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # Under SPMD one process loads it all.
-    run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
-    with STOP.lock:
-        if run.service and not STOP.joined:
-            index, count = xr.process_index(), xr.process_count()
-            host = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
-            torch_xla._XLAC._ensure_xla_coordinator_initialized(index, count, host, str(args.coordinator_port))
-            torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
-            # The service never shuts down, and to it an exit looks like a death: when process 0, its host, ends
-            # first, the others abort. So process 0 ends last (3 s: their exits take under 1 s here), they at once.
-            if index == 0 and count > 1:
-                atexit.register(time.sleep, 3)
-            elif index > 0:
-                atexit.register(os._exit, 0)
-            STOP.joined = True
-    hook("started", run)
-    return run
-
-
-def launch(args):
-    """Runs the replicas (docs: learn/pjrt): a process per TPU chip, or one in this process (--cores 1), through
-    xmp.spawn; or under SPMD this process, over every device."""
-    if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
-    if args.coordinator_port is None and os.environ.get("PJRT_DEVICE") == "TPU":
-        args.coordinator_port = 8547  # torch_xla's default (csrc/runtime/xla_coordinator.cpp): alike on every host
-    elif args.coordinator_port is None:  # a free one: gRPC would share a busy port silently (SO_REUSEPORT)
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            args.coordinator_port = s.getsockname()[1]
-    # A stop signal: this process's replica stops at its next step; replica processes, which ignore it until their
-    # service takes it, at the service's. Either way this process ends after them, with their exit.
-    STOP.signum = 0  # (a run before this one in the process, in a notebook say, may have stopped)
-    main_thread = threading.current_thread() is threading.main_thread()  # (Python takes signals there only)
-    previous = signal.getsignal(signal.SIGTERM)
-    if main_thread and (args.spmd or args.cores == 1):
-        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
-    elif main_thread:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        with hook("launch", args) or contextlib.nullcontext():  # the instruments' run control
-            if args.spmd:
-                train(0, args)
-            else:  # nprocs=1 runs the one replica in this process; None starts a process per TPU chip.
-                xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
-    finally:
-        if main_thread and previous is not None:
-            signal.signal(signal.SIGTERM, previous)  # (a notebook's kernel takes it as before)
-
-
+# ---- the command line: xmp.spawn, a replica per device, or SPMD in this process --------------------------------------
 def main(argv=None):
-    """The command line: trains, and returns the exit code (README.md lists them) after printing its last line."""
+    """Trains, and returns the exit code (README.md lists them) after printing the run's last line."""
     args, code, line = None, 0, None
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         args = parse_args(argv)
         if XLA_IMPORT_ERROR is not None:
             why = f"{type(XLA_IMPORT_ERROR).__name__}: {str(XLA_IMPORT_ERROR).strip().splitlines()[0]}"
             raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
-        hook("prepare", args)  # the instruments' checks of this machine, before any device starts
+        hook("prepare", args)
         try:  # Once, before the replicas start: they never race to download it, and a missing one is one line here.
             dataset(args, train=True), dataset(args, train=False)
         except Exception as e:
@@ -667,24 +635,49 @@ def main(argv=None):
         same = resumed is not None and os.path.abspath(resumed) == os.path.abspath(args.out_dir)  # (URLs too)
         try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
             if store(args.out_dir).isdir(args.out_dir) and checkpoints(args.out_dir) and not same:
-                why = "holds a run: continue it with --resume, or name another"
-                raise Exit(2, f"error: --out-dir {args.out_dir} {why}")
+                raise Exit(
+                    2, f"error: --out-dir {args.out_dir} holds a run: continue it with --resume, or name another"
+                )
             os.makedirs(local_folder(args.out_dir), exist_ok=True)
         except OSError as e:
             raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
-        launch(args)
+        if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
+            os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
+        if args.coordinator_port is None and os.environ.get("PJRT_DEVICE") == "TPU":
+            args.coordinator_port = 8547  # torch_xla's default (csrc/runtime/xla_coordinator.cpp): alike on every host
+        elif args.coordinator_port is None:  # a free one: gRPC would share a busy port silently (SO_REUSEPORT)
+            with socket.socket() as s:
+                s.bind(("localhost", 0))
+                args.coordinator_port = s.getsockname()[1]
+        # A stop signal: a replica in this process stops at its next step; replica processes ignore it until their
+        # service takes it, and stop at the service's. Either way this process ends after them, with their exit.
+        # (Python takes signals in the main thread only; a run before this one, in a notebook, may have stopped.)
+        STOP.signum = 0
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread and (args.spmd or args.cores == 1):
+            signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
+        elif main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with hook("launch", args) or contextlib.nullcontext():
+            if args.spmd:
+                train(0, args)
+            else:  # nprocs=1: the one replica, in this process; None: a process per TPU chip (docs: learn/pjrt)
+                xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
     except Exit as e:
         code, line = e.code, e.line
     except KeyboardInterrupt:
         code, line = 130, "interrupted"
-    except Exception as e:  # a bug, in your model say: its traceback, then one line (the instruments': where)
+    except Exception as e:  # a bug, in your model say: its traceback, then one line
         with contextlib.suppress(OSError):  # (a stderr whose reader died)
             traceback.print_exception(e)
         code, line = 1, hook("bug", e) or f"failed: {type(e).__name__}: {e} (traceback above)"
+    finally:
+        if threading.current_thread() is threading.main_thread() and previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # (a notebook's kernel takes it as before)
     if line is not None:
         with contextlib.suppress(OSError):
             print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
-    hook("ended", args, code, line)  # (the instruments keep it in the run's log)
+    hook("ended", args, code, line)
     return code
 
 
@@ -1241,7 +1234,7 @@ class Control:
             return []
         return [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
 
-    def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and launch() raises `ended`.
+    def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and main() raises `ended`.
         if self.ended is not None:
             return  # The first end stands: the deaths that follow are its own doing.
         self.ended = ended
