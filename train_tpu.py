@@ -1,12 +1,12 @@
-"""train_tpu.py: the reference PyTorch/XLA trainer, and the smoke test of a new TPU VM. It trains a small CNN on MNIST
-on every TPU core (xmp.spawn), or from one process that shards each batch over every device (--spmd). See README.md.
+"""train_tpu.py: the reference PyTorch/XLA trainer. It trains a small CNN on MNIST on every TPU core (xmp.spawn), or
+from one process that shards each batch over every device (--spmd). See README.md.
   python train_tpu.py                              # a TPU VM: train on every core
-  python train_tpu.py --smoke                      # (the instruments) is this TPU VM fit to train on? exit 5 if not
-  python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD, converting its checkpoint
+  python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
-# The trainer comes first. The block of instruments after it adds to the run at the points where the trainer calls
-# hook(). Without the block the trainer runs alone: sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
+# The trainer comes first. The block of instruments after it (--smoke: is this TPU VM fit to train on?, run control,
+# the checks, fit()) adds to the run where the trainer calls hook(). Without the block the trainer runs alone:
+#   sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
 
 import argparse
 import atexit
@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
 
 # A torch_xla built for another torch fails to import, and so, on a TPU VM, does one whose metadata server is away.
-USER_DEVICE = os.environ.get("PJRT_DEVICE")  # as the user set it: importing torch_xla sets it if unset
+USER_DEVICE = os.environ.get("PJRT_DEVICE")  # (for the instruments) as given: importing torch_xla sets it
 XLA_IMPORT_ERROR = None
 try:
     import torch_xla
@@ -62,14 +61,14 @@ NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_po
 
 
 def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # (fit() passes numbers too)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # (a call may pass numbers)
     p = argparse.ArgumentParser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
-    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's; default: 8547 on a TPU")
+    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's (default 8547)")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
@@ -106,8 +105,7 @@ def dataset(args, train):
         return digits
     import torchvision  # Here, not at the top: it adds a second to every process's start.
 
-    with contextlib.redirect_stdout(None):  # torchvision prints every download attempt. It downloads what DIR lacks.
-        mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=True)
+    mnist = torchvision.datasets.MNIST(args.data_dir, train=train, download=True)  # It downloads what DIR lacks.
     # Normalized once, as Normalize() does: (N, 1, 28, 28) floats, and 4 ops fewer to trace each step.
     return InMemory((mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets)
 
@@ -211,10 +209,17 @@ def loader(run, data, order, drop_last=False):
     # Workers leave a stop signal to their replica, which saves, then ends them. They are forked, as on Linux by
     # default: in xmp.spawn's processes a spawned worker would import this file anew (7 CPU-s). Their own generator
     # seeds them, as the global RNG is initial_model's.
-    workers = dict(num_workers=run.args.workers, worker_init_fn=ignore_stop_signals)
-    workers.update(multiprocessing_context="fork" if run.args.workers and sys.platform == "linux" else None)
-    workers.update(generator=torch.Generator().manual_seed(run.args.seed))
-    return DataLoader(data, run.load_batch, sampler=order, drop_last=drop_last, collate_fn=whole, **workers)
+    return DataLoader(
+        data,
+        run.load_batch,
+        sampler=order,
+        drop_last=drop_last,
+        collate_fn=whole,
+        num_workers=run.args.workers,
+        worker_init_fn=ignore_stop_signals,
+        multiprocessing_context="fork" if run.args.workers and sys.platform == "linux" else None,
+        generator=torch.Generator().manual_seed(run.args.seed),
+    )
 
 
 def on_device(run, batches, stop=None):
@@ -301,9 +306,10 @@ def train(index, args):
     with hook("replica", index) or contextlib.nullcontext():
         if args.spmd:
             xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
-        run = types.SimpleNamespace(
-            args=args, device=torch_xla.device(), world=1, rank=0, mesh=None, history=[], epochs=[]
-        )
+        # `run`: this replica's state, which the functions below take. Here its place in the run; then its model and
+        # data (model, test, steps, optimizer, schedule), and what it has done (history, epochs).
+        run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None)
+        run.history, run.epochs = [], []
         if args.spmd:
             run.devices = xr.global_runtime_device_count()
             run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
@@ -380,7 +386,7 @@ def train_epoch(run, batches, epoch, skip):
         if step % run.args.log_steps == 0 or step == run.steps:
             read_losses(run, epoch)
             run.unread.append((step, loss, lr))
-        if step == run.steps:  # (The epoch's last step is saved below.)
+        if step == run.steps:  # The epoch's last step: after the loop, it is evaluated, saved, and stopped at.
             break
         asked = stop_asked(run, (epoch - 1) * run.steps + step)
         on_steps = run.args.save_steps is not None and step % run.args.save_steps == 0
@@ -643,12 +649,8 @@ def main(argv=None):
             raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
         if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
             os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
-        if args.coordinator_port is None and os.environ.get("PJRT_DEVICE") == "TPU":
-            args.coordinator_port = 8547  # torch_xla's default (csrc/runtime/xla_coordinator.cpp): alike on every host
-        elif args.coordinator_port is None:  # a free one: gRPC would share a busy port silently (SO_REUSEPORT)
-            with socket.socket() as s:
-                s.bind(("localhost", 0))
-                args.coordinator_port = s.getsockname()[1]
+        # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.cpp), alike on every host.
+        args.coordinator_port = args.coordinator_port or 8547
         # A stop signal: a replica in this process stops at its next step; replica processes ignore it until their
         # service takes it, and stop at the service's. Either way this process ends after them, with their exit.
         # (Python takes signals in the main thread only; a run before this one, in a notebook, may have stopped.)
@@ -701,6 +703,7 @@ import inspect
 import json
 import multiprocessing
 import pickle
+import socket
 import sysconfig
 
 from torch.utils.data import default_collate
@@ -791,6 +794,10 @@ def prepare(args):
         except Exception as e:
             why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
             raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
+    if args.coordinator_port is None and kind != "TPU":  # Off a TPU, a free one: two runs here would share 8547.
+        with socket.socket() as s:  # (gRPC shares a busy port silently: SO_REUSEPORT)
+            s.bind(("localhost", 0))
+            args.coordinator_port = s.getsockname()[1]
     LAUNCHER.update(kind=kind, host=host, hosts=hosts, prepared=time.time())
 
 
