@@ -1485,6 +1485,27 @@ def test_a_step_that_outlasts_the_grace_ends_the_run_saying_so(monkeypatch, tmp_
     assert {(e.code, e.line) for e in ended} == {(143, f"stopped by SIGTERM: {why}")}  # (the mock ends nothing)
 
 
+def test_the_trainer_alone_passes_a_sigterm_sent_to_its_launcher_alone_on_to_its_replica_processes(
+    monkeypatch, tmp_path
+):
+    """A container's first process (GKE's) may be the only one to get SIGTERM: the launcher passes it on to xmp.spawn's
+    replica processes, whose coordination service then names the step to stop at (the two-process run: README)."""
+    monkeypatch.setattr(tt, "HOOKS", {})  # the trainer alone
+    children, killed = [types.SimpleNamespace(pid=101), types.SimpleNamespace(pid=102)], []
+    monkeypatch.setattr(tt.multiprocessing, "active_children", lambda: children)
+    monkeypatch.setattr(tt.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def spawn(train, args, nprocs):  # the replica processes run; the launcher gets a SIGTERM
+        assert nprocs is None and args[0].coordinator_port == 8547
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+    monkeypatch.setattr(tt.xmp, "spawn", spawn)
+    assert tt.main(["--data", "synthetic", "--out-dir", tmp_path / "run"]) == 0
+    assert killed == [(101, signal.SIGTERM), (102, signal.SIGTERM)]
+    assert signal.getsignal(signal.SIGTERM) is handler  # given back after the run
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
 def test_ctrl_c_and_an_ssh_sessions_hangup_have_no_grace_only_a_preemptions_sigterm_has(monkeypatch, tmp_path, signum):
     """A step that outlasts 25 s after Ctrl-C still saves: nothing kills it but a second signal."""

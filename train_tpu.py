@@ -14,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import math
+import multiprocessing
 import os
 import shutil
 import signal
@@ -651,15 +652,16 @@ def main(argv=None):
             os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
         # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.cpp), alike on every host.
         args.coordinator_port = args.coordinator_port or 8547
-        # A stop signal: a replica in this process stops at its next step; replica processes ignore it until their
-        # service takes it, and stop at the service's. Either way this process ends after them, with their exit.
+        # A stop signal: a replica in this process stops at its next step. Replica processes stop at the step that
+        # their service names once it takes a SIGTERM: this process passes one on to them, as a container's first
+        # process (GKE's) may be the only one to get it. Either way this process ends after them, with their exit.
         # (Python takes signals in the main thread only; a run before this one, in a notebook, may have stopped.)
         STOP.signum = 0
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread and (args.spmd or args.cores == 1):
             signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
         elif main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, pass_on)
         with hook("launch", args) or contextlib.nullcontext():
             if args.spmd:
                 train(0, args)
@@ -683,6 +685,13 @@ def main(argv=None):
     return code
 
 
+def pass_on(
+    signum, frame
+):  # to the replica processes: xmp.spawn starts them as this process's multiprocessing children
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signum)
+
+
 class Exit(Exception):
     """Ends a run with an exit code and one line (README.md lists the codes), raised by every replica alike."""
 
@@ -701,7 +710,6 @@ import functools
 import hashlib
 import inspect
 import json
-import multiprocessing
 import pickle
 import socket
 import sysconfig
