@@ -375,11 +375,13 @@ def mine(root):
     one = cli(
         "--data", "synthetic", "--cores", 1, "--epochs", 1, "--out-dir", "one", cwd=folder, file=folder / "mine.py"
     )
-    stop = world(
-        folder, "processes", *WORLD_RUN, "--out-dir", "stop", patch=SLOW_EPOCH_2, when="epoch 2 step 1/", module="mine"
-    )
+    # Its coordination service takes torch_xla's default port, 8547, unless given one: here a free one, as another
+    # suite here may be using 8547 at the same time.
+    run = [*WORLD_RUN, "--out-dir", "stop", "--coordinator-port", free_port()]
+    stop = world(folder, "processes", *run, patch=SLOW_EPOCH_2, when="epoch 2 step 1/", module="mine")
     saved = tt.load_checkpoint(tt.find_checkpoint(str(folder / "stop")))  # (before the resume's saves replace it)
-    return one, stop, saved, world(folder, "processes", "--resume", "stop", module="mine")
+    resumed = world(folder, "processes", "--resume", "stop", "--coordinator-port", free_port(), module="mine")
+    return one, stop, saved, resumed
 
 
 def orphans(root):
@@ -2298,7 +2300,7 @@ def test_two_replica_threads_stop_at_one_step_agreed_by_the_coordination_service
 
 def test_healthy_ends_in_every_world_show_no_abort_and_every_run_has_a_port_of_its_own(runs):
     """XLA's coordination service never shuts down, and its clients abort when process 0, its host, ends first: none
-    of these runs, whose replicas all ended as they should, shows an abort. And no two runs at once shared a port."""
+    of these runs, whose replicas all ended as they should, shows an abort. And no two runs shared a port."""
     ended = {
         "processes, --smoke": runs["stock"][0],
         "threads, --smoke": runs["yours_threads"],
@@ -2321,13 +2323,9 @@ def test_healthy_ends_in_every_world_show_no_abort_and_every_run_has_a_port_of_i
             look(value.stdout)
 
     for name, result in runs.items():
-        if name not in ("root", "mine"):
+        if name != "root":
             look(result)
-    assert len(ports) >= 12 and set(ports.values()) == {1}, ports
-    # The trainer alone takes torch_xla's default port (its two runs, one after the other); the instruments a free one.
-    ports.clear()
-    look(runs["mine"])
-    assert ports == {"8547": 2}, ports
+    assert len(ports) >= 14 and set(ports.values()) == {1}, ports
 
 
 def test_every_checkpoint_a_run_keeps_resumes_at_a_whole_step_within_its_epoch(runs):
