@@ -58,13 +58,15 @@ def hook(point, *args):
 
 
 # ---- flags: each is a setting that a resume keeps unless given again, but for where and how this process runs -------
-NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_port", "smoke", "smoke_timeout")
+NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_port")
 
 
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # (a call may pass numbers)
     p = argparse.ArgumentParser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--cores", type=int, help="1: one device, in this process; default: all, a replica process each")
+    p.add_argument(
+        "--cores", type=int, help="1: one device, in this process; otherwise every device, a replica process each"
+    )
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
@@ -303,7 +305,7 @@ STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), high
 
 
 def train(index, args):
-    """One replica's run, from xmp.spawn (index: its number on this host), or under SPMD the one process's."""
+    """One replica's run, from xmp.spawn (index: its global ordinal), or under SPMD the one process's."""
     with hook("replica", index) or contextlib.nullcontext():
         if args.spmd:
             xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
@@ -497,7 +499,7 @@ def save(run, *, next_epoch, steps_done, test=None):
     name = f"checkpoint-{next_epoch:04d}-{samples:09d}" + (".pt" if run.mesh is None else "")
     path, written = f"{out}/{name}", os.path.join(local_folder(out), name + ".tmp")
     if run.mesh is None:
-        xm.save(ckpt, written, master_only=True, global_master=True)  # Every replica syncs; only the master writes.
+        xm.save(ckpt, written, master_only=True, global_master=True)  # Each runs its steps; the master writes.
     else:
         shutil.rmtree(written, ignore_errors=True)
         with warnings.catch_warnings():  # (not action=: Python 3.10, a TPU VM's, lacks it)
@@ -593,9 +595,9 @@ def resume(run):
     except Exception as e:  # PyTorch's message spans several lines; the error keeps to one.
         why = f"its model or optimizer is not this run's: {' '.join(str(e).split())}"
         raise Exit(2, f"error: --resume {path}: {why}") from e
-    given = {name for name, value in ckpt["settings"].items() if getattr(args, name, value) != value}  # anew
+    changed = {name for name, value in ckpt["settings"].items() if getattr(args, name, value) != value}  # given anew
     for group in run.optimizer.param_groups:  # as saved, but for a --momentum given anew (SGD's; Adam has none)
-        if "momentum" in given and "momentum" in group:
+        if "momentum" in changed and "momentum" in group:
             group["momentum"] = args.momentum
     done, rest = divmod(ckpt["samples"], run.global_batch)  # the steps of this epoch done, at this run's batch
     if rest or done >= run.steps:
@@ -606,7 +608,7 @@ def resume(run):
     # or if the checkpoint has none (saved before it had; PyTorch's warning of a first step is of no matter then).
     at = (ckpt["epoch"] - 1) * run.steps + done
     saved = ckpt.get("schedule")
-    if saved and saved.get("last_epoch", at) == at and not {"lr", "epochs", "steps_per_epoch"} & given:
+    if saved and saved.get("last_epoch", at) == at and not {"lr", "epochs", "steps_per_epoch"} & changed:
         run.schedule.load_state_dict(saved)
     else:
         run.schedule.last_epoch = at - 1
@@ -736,6 +738,9 @@ if REPLICA_PROCESS:
 
 
 # ---- flags, and before any device starts: their ranges, torch_xla, the device, hosts, --cores, the dataset ----------
+NOT_SETTINGS += ("smoke", "smoke_timeout")  # the instruments' flags that a resume does not keep
+
+
 def add_flags(p, argv):
     smoke = dict(data="synthetic", epochs=2, steps_per_epoch=40, log_steps=10)  # its presets
     p.add_argument("--smoke", action="store_true", help=f"a short run and a verdict, exit 5 on a FAIL; sets {smoke}")
@@ -863,7 +868,7 @@ def this_host(kind):  # (this host's worker number, the slice's hosts): from the
 # ---- a replica's instruments: its stages for the launcher, the smoke's data, counters, TensorBoard -------------------
 @contextlib.contextmanager
 def watched(index):
-    """A replica's run (index: its number on this host) under the launcher's watch: an error that may be its alone."""
+    """A replica's run (index: its global ordinal) under the launcher's watch: an error that may be its alone."""
     control = this_process_control()
     try:
         yield
