@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
-    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's (default 8547)")
+    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's; none: 8547 on a TPU")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
@@ -304,41 +304,45 @@ def broadcast(run, tensors):
 STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)  # this process's
 
 
+def start_replica(args):
+    """Starts this replica's runtime, and returns its state, `run` (under SPMD, the one process's): here its place in
+    the run; train() adds its model and data (model, test, steps, optimizer, schedule) and what it has done."""
+    if args.spmd:
+        xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
+    run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None)
+    run.history, run.epochs = [], []
+    if args.spmd:
+        run.devices = xr.global_runtime_device_count()
+        run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
+    else:
+        run.world = run.devices = xr.world_size()
+        run.rank = xr.global_ordinal()
+    run.master = run.rank == 0  # The one "am I the master": it prints, and writes the files.
+    run.global_batch = args.batch_size * run.devices
+    run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # SPMD: one process loads it all.
+    run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
+    # A replica process joins XLA's coordination service, once a process: process 0's host runs it. To the service
+    # an exit looks like a death, and when process 0 ends first the others abort: so it ends last, 3 s after its
+    # exit began (the others' exits take under 1 s here), and they end at once.
+    with STOP.lock:
+        if run.service and not STOP.joined:
+            process, count = xr.process_index(), xr.process_count()
+            host = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
+            torch_xla._XLAC._ensure_xla_coordinator_initialized(process, count, host, str(args.coordinator_port))
+            torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
+            if process == 0 and count > 1:
+                atexit.register(time.sleep, 3)
+            elif process > 0:
+                atexit.register(os._exit, 0)
+            STOP.joined = True
+    hook("started", run)
+    return run
+
+
 def train(index, args):
     """One replica's run, from xmp.spawn (index: its global ordinal), or under SPMD the one process's."""
     with hook("replica", index) or contextlib.nullcontext():
-        if args.spmd:
-            xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
-        # `run`: this replica's state, which the functions below take. Here its place in the run; then its model and
-        # data (model, test, steps, optimizer, schedule), and what it has done (history, epochs).
-        run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None)
-        run.history, run.epochs = [], []
-        if args.spmd:
-            run.devices = xr.global_runtime_device_count()
-            run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
-        else:
-            run.world = run.devices = xr.world_size()
-            run.rank = xr.global_ordinal()
-        run.master = run.rank == 0  # The one "am I the master": it prints, and writes the files.
-        run.global_batch = args.batch_size * run.devices
-        run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # SPMD: one process loads it all.
-        run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
-        # A replica process joins XLA's coordination service, once a process: process 0's host runs it. To the service
-        # an exit looks like a death, and when process 0 ends first the others abort: so it ends last, 3 s after its
-        # exit began (the others' exits take under 1 s here), and they end at once.
-        with STOP.lock:
-            if run.service and not STOP.joined:
-                process, count = xr.process_index(), xr.process_count()
-                host = tpu.get_worker_ips()[0] if xr.device_type() == "TPU" else "localhost"
-                torch_xla._XLAC._ensure_xla_coordinator_initialized(process, count, host, str(args.coordinator_port))
-                torch_xla._XLAC._activate_preemption_sync_manager()  # Its SIGTERM handler replaces any other.
-                if process == 0 and count > 1:
-                    atexit.register(time.sleep, 3)
-                elif process > 0:
-                    atexit.register(os._exit, 0)
-                STOP.joined = True
-        hook("started", run)
-
+        run = start_replica(args)
         run.model = initial_model(args).to(run.device)
         broadcast(run, [*run.model.parameters(), *run.model.buffers()])  # should your model's init ignore the seed
         data, test = hook("data", run) or (dataset(args, train=True), dataset(args, train=False))
@@ -627,7 +631,6 @@ def resume(run):
 def main(argv=None):
     """Trains, and returns the exit code (README.md lists them) after printing the run's last line."""
     args, code, line = None, 0, None
-    previous = signal.getsignal(signal.SIGTERM)
     try:
         args = parse_args(argv)
         if XLA_IMPORT_ERROR is not None:
@@ -650,25 +653,7 @@ def main(argv=None):
             os.makedirs(local_folder(args.out_dir), exist_ok=True)
         except OSError as e:
             raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
-        if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
-            os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
-        # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.cpp), alike on every host.
-        args.coordinator_port = args.coordinator_port or 8547
-        # A stop signal: a replica in this process stops at its next step. Replica processes stop at the step that
-        # their service names once it takes a SIGTERM: this process passes one on to them, as a container's first
-        # process (GKE's) may be the only one to get it. Either way this process ends after them, with their exit.
-        # (Python takes signals in the main thread only; a run before this one, in a notebook, may have stopped.)
-        STOP.signum = 0
-        main_thread = threading.current_thread() is threading.main_thread()
-        if main_thread and (args.spmd or args.cores == 1):
-            signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
-        elif main_thread:
-            signal.signal(signal.SIGTERM, pass_on)
-        with hook("launch", args) or contextlib.nullcontext():
-            if args.spmd:
-                train(0, args)
-            else:  # nprocs=1: the one replica, in this process; None: a process per TPU chip (docs: learn/pjrt)
-                xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
+        launch(args)
     except Exit as e:
         code, line = e.code, e.line
     except KeyboardInterrupt:
@@ -677,9 +662,6 @@ def main(argv=None):
         with contextlib.suppress(OSError):  # (a stderr whose reader died)
             traceback.print_exception(e)
         code, line = 1, hook("bug", e) or f"failed: {type(e).__name__}: {e} (traceback above)"
-    finally:
-        if threading.current_thread() is threading.main_thread() and previous is not None:
-            signal.signal(signal.SIGTERM, previous)  # (a notebook's kernel takes it as before)
     if line is not None:
         with contextlib.suppress(OSError):
             print(f"train_tpu.py: {line}", file=sys.stderr, flush=True)
@@ -687,9 +669,37 @@ def main(argv=None):
     return code
 
 
-def pass_on(
-    signum, frame
-):  # to the replica processes: xmp.spawn starts them as this process's multiprocessing children
+def launch(args):
+    """Runs the replicas (docs: learn/pjrt): a process per TPU chip, or one in this process (--cores 1), through
+    xmp.spawn; or under SPMD this process, over every device."""
+    if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
+    # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.cpp), alike on every host.
+    args.coordinator_port = args.coordinator_port or 8547
+    # A stop signal: a replica in this process stops at its next step. Replica processes stop at the step that their
+    # service names once it takes a SIGTERM: this process passes one on to them, as a container's first process
+    # (GKE's) may be the only one to get it. Either way this process ends after them, with their exit. (Python takes
+    # signals in the main thread only; a run before this one, in a notebook, may have stopped.)
+    STOP.signum = 0
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM)
+    if main_thread and (args.spmd or args.cores == 1):
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
+    elif main_thread:
+        signal.signal(signal.SIGTERM, pass_on)
+    try:
+        with hook("launch", args) or contextlib.nullcontext():
+            if args.spmd:
+                train(0, args)
+            else:  # nprocs=1: the one replica, in this process; None: a process per TPU chip
+                xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # (a notebook's kernel takes it as before)
+
+
+def pass_on(signum, frame):
+    """Passes a stop signal on to the replica processes: xmp.spawn starts them as multiprocessing children."""
     for child in multiprocessing.active_children():
         os.kill(child.pid, signum)
 
