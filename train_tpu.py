@@ -64,9 +64,7 @@ NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_po
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # (a call may pass numbers)
     p = argparse.ArgumentParser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument(
-        "--cores", type=int, help="1: one device, in this process; otherwise every device, a replica process each"
-    )
+    p.add_argument("--cores", type=int, help="1: one device, in this process; else all, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
