@@ -642,15 +642,7 @@ def main(argv=None):
             raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {why}") from e
         resumed = os.path.dirname(args.resume) if args.resume else None
         args.out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-        same = resumed is not None and os.path.abspath(resumed) == os.path.abspath(args.out_dir)  # (URLs too)
-        try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
-            if store(args.out_dir).isdir(args.out_dir) and checkpoints(args.out_dir) and not same:
-                raise Exit(
-                    2, f"error: --out-dir {args.out_dir} holds a run: continue it with --resume, or name another"
-                )
-            os.makedirs(local_folder(args.out_dir), exist_ok=True)
-        except OSError as e:
-            raise Exit(2, f"error: --out-dir {args.out_dir}: cannot make it ({e.strerror})") from e
+        os.makedirs(local_folder(args.out_dir), exist_ok=True)
         launch(args)
     except Exit as e:
         code, line = e.code, e.line
@@ -815,6 +807,18 @@ def prepare(args):
         except Exception as e:
             why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
             raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
+    out, resumed = args.out_dir, args.resume and os.path.dirname(args.resume)
+    try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
+        if (
+            out
+            and store(out).isdir(out)
+            and checkpoints(out)
+            and os.path.abspath(out) != os.path.abspath(resumed or "")
+        ):
+            raise Exit(2, f"error: --out-dir {out} holds a run: continue it with --resume, or name another")
+        os.makedirs(local_folder(out or "runs"), exist_ok=True)
+    except OSError as e:
+        raise Exit(2, f"error: --out-dir {out}: cannot make it ({e.strerror})") from e
     if args.coordinator_port is None and kind != "TPU":  # Off a TPU, a free one: two runs here would share 8547.
         with socket.socket() as s:  # (gRPC shares a busy port silently: SO_REUSEPORT)
             s.bind(("localhost", 0))
