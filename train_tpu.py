@@ -787,14 +787,14 @@ def prepare(args):
     if args.out_dir is None and hosts > 1 and args.resume is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or args.resume
-    try:
-        fs = store(out_dir) if out_dir else None
-        if out_dir and "://" in out_dir and not fs.exists(fs._strip_protocol(out_dir).split("/")[0]):
+    if out_dir and "://" in out_dir:
+        try:
+            fs = store(out_dir)
+            there = fs.exists(fs._strip_protocol(out_dir).split("/")[0])
+        except Exception as e:  # gcsfs's: no credentials, say
+            raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
+        if not there:
             raise Exit(2, f"error: --out-dir {out_dir}: no such bucket, or no access to it")
-    except Exit:
-        raise
-    except Exception as e:  # gcsfs's: no credentials, say
-        raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
     model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
     hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
     if args.layerdrop != "off" and not hooks:
@@ -807,14 +807,9 @@ def prepare(args):
         except Exception as e:
             why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
             raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
-    out, resumed = args.out_dir, args.resume and os.path.dirname(args.resume)
+    out, resumed = args.out_dir, args.resume and os.path.abspath(os.path.dirname(args.resume))  # (URLs too)
     try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
-        if (
-            out
-            and store(out).isdir(out)
-            and checkpoints(out)
-            and os.path.abspath(out) != os.path.abspath(resumed or "")
-        ):
+        if out and store(out).isdir(out) and checkpoints(out) and os.path.abspath(out) != resumed:
             raise Exit(2, f"error: --out-dir {out} holds a run: continue it with --resume, or name another")
         os.makedirs(local_folder(out or "runs"), exist_ok=True)
     except OSError as e:
@@ -872,9 +867,7 @@ def check_environment(args):
 
 
 def this_host(kind):  # (this host's worker number, the slice's hosts): from the TPU VM's metadata; (0, 1) off a TPU
-    if kind != "TPU":
-        return 0, 1
-    return tpu.worker_id(), tpu.num_tpu_workers()
+    return (tpu.worker_id(), tpu.num_tpu_workers()) if kind == "TPU" else (0, 1)
 
 
 # ---- a replica's instruments: its stages for the launcher, the smoke's data, counters, TensorBoard -------------------
@@ -887,8 +880,7 @@ def watched(index):
     except Exception as e:
         # An Exit 3, 5, 21 or a stop is agreed: every replica raises it at once. Any other error, or an Exit 2 or 4 (a
         # checkpoint only this one cannot read or compute), may be its alone, while the others wait for it: end them.
-        alone = not isinstance(e, Exit) or e.code in (2, 4)
-        if alone and not control.in_process:
+        if not control.in_process and (not isinstance(e, Exit) or e.code in (2, 4)):
             control.fail_alone(index, e)
         raise
     finally:
@@ -900,8 +892,7 @@ def started(run):  # once the replica's runtime started
     control = run.control = this_process_control()
     run.kind, run.out_dir = xr.device_type(), run.args.out_dir
     run.checks, run.places, run.untrained, run.board = [], None, None, None  # --smoke's; TensorBoard's writer
-    run.warm_compiles, run.recompiles, run.save_every = None, 0, None  # the counters', and --save-minutes'
-    run.over = None  # an Exit past --max-recompiles
+    run.warm_compiles, run.recompiles, run.save_every, run.over = None, 0, None, None  # (over: past --max-recompiles)
     control.devices[run.rank] = xr.local_ordinal()  # (its chip on this host, from v4 on; on v2/v3 a core of one)
     if run.service:
         control.orphan_watch()
@@ -909,10 +900,16 @@ def started(run):  # once the replica's runtime started
 
 
 def smoke_data(run):  # --smoke: the synthetic digits shaped for your model, read as often as its steps need
-    if not run.args.smoke:
+    args = run.args  # (as many steps on 32 devices as on 1: the digits' 12,000 give 8 devices 11 steps of 1,024)
+    if not args.smoke:
         return None
-    data, test = dataset(run.args, train=True), dataset(run.args, train=False)
-    return smoke_training_set(run, smoke_shaped(run.model, data)), smoke_shaped(run.model, test)
+    data = smoke_shaped(run.model, dataset(args, train=True))
+    need, have = args.steps_per_epoch * run.global_batch, len(data)
+    if have < need:
+        steps = f"{args.epochs} epochs of {args.steps_per_epoch} steps of {run.global_batch}"
+        say(run, f"smoke | {steps}: {need / have:.1f} passes over the training set's {have:,} samples an epoch")
+        data = torch.utils.data.Subset(data, [i % have for i in range(need)])
+    return data, smoke_shaped(run.model, dataset(args, train=False))
 
 
 def before_training(run):
@@ -945,10 +942,9 @@ def scalar(run, name, value, step):  # TensorBoard's x axis counts steps over ev
 def count_epoch(run, row):
     """After the epoch's evaluation: its counters in its row and a line, and TensorBoard's scalars. Past
     --max-recompiles, the run exits 3 once the epoch is saved (saved())."""
-    run.epoch_seconds = time.perf_counter() - run.epoch_began
-    recompiles = 0
-    if run.warm_compiles is not None:  # It is set at the end of the first epoch trained here, the warm-up.
-        recompiles = compiles()[0] - run.warm_compiles
+    epoch_seconds = time.perf_counter() - run.epoch_began
+    # warm_compiles is set at the end of the first epoch trained here, the warm-up.
+    recompiles = 0 if run.warm_compiles is None else compiles()[0] - run.warm_compiles
     run.recompiles = int(agree(run, [recompiles])[0])  # the most of any replica, which --max-recompiles tests
     limit = run.args.max_recompiles
     if limit is not None and run.recompiles > limit and not run.args.smoke:
@@ -966,10 +962,8 @@ def count_epoch(run, row):
     tags = dict(test_loss="test/loss", accuracy="test/accuracy", samples_per_s="train/samples_per_s")
     for name, tag in tags.items():
         scalar(run, tag, row[name], run.steps)
-    if run.board is not None:
-        run.board.flush()  # Once an epoch: the scalars reach the disk without a write per step.
     if run.save_every is None and run.args.save_minutes:  # On time from the first epoch trained here, as it took.
-        seconds = float(agree(run, [run.epoch_seconds / run.steps])[0])  # the slowest replica's: one interval for all
+        seconds = float(agree(run, [epoch_seconds / run.steps])[0])  # the slowest replica's: one interval for all
         run.save_every = max(1, int(60 * run.args.save_minutes / seconds))
 
 
@@ -1073,9 +1067,7 @@ def tolerance(run, other_device="CPU", bf16=False):
     more. A wrong weight or layout differs by O(1)."""
     if bf16:
         return 5e-2
-    if run.kind == "CPU" and other_device == "CPU":
-        return 1e-5
-    return 2e-2
+    return 1e-5 if run.kind == other_device == "CPU" else 2e-2
 
 
 # ---- run control: stop signals, and a replica that fails or dies -----------------------------------------------------
@@ -1093,14 +1085,9 @@ HEARTBEAT = 110
 
 
 class Control:
-    """How a stop signal reaches the replicas, and the launcher's watch over them.
-    - A stop signal to the launcher before training, or a second one, ends the run at once. During training a replica
-      in this process stops at its next step; replica processes get SIGTERM, which XLA's coordination service takes,
-      as it takes a preemption's to any process of the slice, and names one step at which every replica saves and stops.
-    - A replica process that dies, or a replica that fails alone: the launcher kills its others; the service ends the
-      other hosts' (SIGABRT), which would wait for them in a collective for ever, within HEARTBEAT seconds.
-    - Replicas tell the launcher their stage in files of this host (`replica-N`, `failed-N`); the launcher writes the
-      signal (`stop`). Each host notes its end in the run folder (`ended-host-K`): every host names the first."""
+    """The launcher's watch over its replicas, and how a stop signal reaches them (README.md: Preemption and stops).
+    Replicas tell the launcher their stage in files of this host (`replica-N`, `failed-N`); the launcher writes the
+    signal (`stop`). Each host notes its end in the run folder (`ended-host-K`): every host names the first."""
 
     def __init__(self, args, out_dir, host=0, hosts=1, from_python=False):
         self.args = args
@@ -1177,8 +1164,6 @@ class Control:
         return self
 
     def __exit__(self, kind, e, traceback):
-        """Ends the launch. What xmp.spawn raised becomes the Exit that says why: every replica's Exit, or one that
-        the launcher ended the run with, or a bug in the only replica."""
         global CONTROL
         ended = self.exit_for(e, LAUNCHER.get("kind", "CPU")) if isinstance(e, Exception) else e
         self.closed = True  # The watch ends: its folder goes.
@@ -1262,9 +1247,7 @@ class Control:
         return (Exit(*failed[0][:2]), failed[0][2]) if failed else None
 
     def children(self):  # the replica processes alive (none if the replica is in this process)
-        if self.in_process:
-            return []
-        return [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
+        return [] if self.in_process else [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
 
     def end(self, ended):  # Kills the replica processes; xmp.spawn then raises, and main() raises `ended`.
         if self.ended is not None:
@@ -1414,18 +1397,6 @@ def smoke_shaped(model, data):
     return shaped
 
 
-def smoke_training_set(run, data):
-    """--smoke trains as many steps on 32 devices as on 1, 2 epochs of 40: its data, the digits or your own, is read as
-    often as they need. (The digits' 12,000 give 8 devices 11 steps of 1,024 samples an epoch: too few to learn on a
-    healthy VM. 480 images of yours gave 4 devices 7 steps of 64: their loss did not fall 1% under the schedule.)"""
-    need = run.args.steps_per_epoch * run.global_batch
-    if len(data) >= need:
-        return data
-    steps = f"{run.args.epochs} epochs of {run.args.steps_per_epoch} steps of {run.global_batch}"
-    say(run, f"smoke | {steps}: {need / len(data):.1f} passes over the training set's {len(data):,} samples an epoch")
-    return torch.utils.data.Subset(data, [i % len(data) for i in range(need)])
-
-
 def smoke_check(run, check):  # Runs one: PASS (True), FAIL (False) or SKIP (None), kept in the run and the launcher's.
     name = check.__name__.removeprefix("check_")
     run.control.set_stage(run.rank, name)
@@ -1470,17 +1441,16 @@ def known_answers(m):  # a matmul, a convolution and a sum, of a 128 x 128 matri
 
 
 def check_numerics(run):
-    """One step (forward and backward, no update) from the initial weights on the first test samples, on the device,
-    against float64 on the host. Two valid float32 computations differ too: eager float32, on the inputs as they are
-    and nudged by a rounding error, is the yardstick. Beyond it, the likely cause is noted: XLA lowers some ops
-    otherwise than eager PyTorch. An O(1) difference or a NaN FAILs: this run computes another function here."""
+    """One step (no update) from the initial weights on the first test samples, the device's against float64 on the host
+    with eager float32's spread (inputs nudged by a rounding error) as the yardstick. O(1) apart or a NaN FAILs."""
     args = run.args
     x, y = first_batch(run)
     state = initial_model(args).state_dict()  # the same weights everywhere, whatever your initialisation does
     # The device's first: torch's autograd fails on a device it meets after its first backward ran on the host.
     got = first_step(args, state, x, y, run.device)[1]
     exact = first_step(args, state, x, y, torch.device("cpu"), torch.float64)[1]
-    inputs = [x] + [nudged(x, seed) for seed in range(3) if x.is_floating_point()]
+    noise = [torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    inputs = [x] + [x * (1 + 2**-24 * n) for n in noise if x.is_floating_point()]  # moved by a rounding error each
     eager = [first_step(args, state, batch, y, torch.device("cpu"))[1] for batch in inputs]
     diffs = [distance(a, b) for a, b in zip(got, exact, strict=True)]
     spread = [max(distance(e[i], exact[i]) for e in eager) for i in range(3)]
@@ -1493,10 +1463,6 @@ def check_numerics(run):
     if all(d <= max(floor, 10 * e) for d, e in zip(diffs, spread, strict=True)):
         return True, f"{figure}: within float32's own spread (or {floor:.0e})"
     return True, f"{figure}: beyond float32's spread, not the chip: likely {likely_cause(args, state, x)}"
-
-
-def nudged(x, seed):  # x with each value moved by about a float32 rounding error
-    return x * (1 + 2**-24 * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
 
 
 def distance(a, b):  # relative, by norm
@@ -1554,10 +1520,8 @@ def check_compilation(run):
 
 
 def check_learning(run):
-    """On any data: at some epoch's end the test loss fell below the initial weights' by LEARNED (--lr 1e-12 moves it
-    by 1e-12; a healthy run, on data that allows 60% too, by more). And the accuracy reached the target:
-    --target-accuracy, or the data's own `smoke_target` (the synthetic digits': 90%, which ToyModel with SGD reaches in
-    --smoke's 80 steps; your model or optimizer need not: a small BatchNorm CNN, and AdamW at 1e-3, reached 82%)."""
+    """At some epoch's end the test loss fell LEARNED below the untrained weights' (--lr 1e-12 moves it by 1e-12), and
+    the accuracy reached --target-accuracy, or for ToyModel with SGD the data's `smoke_target` (the digits' 90%)."""
     start = run.untrained.loss
     best = min(e["test_loss"] for e in run.epochs)
     toy = type(run.model).__name__ == "ToyModel"  # (by its name: your copy may have deleted the class)
@@ -1625,11 +1589,8 @@ def check_replicas(run):
     differs = collections.Counter(r for k in range(3) for r in odd_ones([tuple(t[k, 4:8].tolist()) for t in table]))
     if not differs:
         return True, f"logits, loss and gradients ({len(eager)} values) bit-identical on {run.world} replicas, 3 times"
-    how = {3: "every time: its chip"}
-    rows = [
-        f"replica {place(run, r)} differs in {n}/3 steps ({how.get(n, 'not every time: transient')})"
-        for r, n in sorted(differs.items())
-    ]
+    how = ("not every time: transient", "every time: its chip")
+    rows = [f"replica {place(run, r)} differs in {n}/3 steps ({how[n == 3]})" for r, n in sorted(differs.items())]
     if len(differs) == run.world:  # no majority: the eager reference tells the further off
         further = max(differs, key=lambda r: float(table[r, :, 8].max()))
         off = float(table[further, :, 8].max())
@@ -1691,15 +1652,8 @@ POINTS_AT = dict(  # what a FAIL of each check says about, and the first thing t
     collectives="the chips or their links: an all-reduce summed wrong",
     replicas="the chip of the replica named, or a model that traces other programs on some replica",
 )
-CHECKS = (
-    check_arithmetic,
-    check_numerics,
-    check_checkpoint,
-    check_compilation,
-    check_learning,
-    check_collectives,
-    check_replicas,
-)
+CHECKS = (check_arithmetic, check_numerics, check_checkpoint, check_compilation, check_learning)
+CHECKS += (check_collectives, check_replicas)  # (check_devices runs before training)
 
 
 def publish(out_dir, checks):
@@ -1825,27 +1779,11 @@ def this_process_control():
         return CONTROL
 
 
-HOOKS.update(
-    flags=add_flags,
-    parsed=check_flags,
-    prepare=prepare,
-    launch=launching,
-    replica=watched,
-    started=started,
-    data=smoke_data,
-    before_training=before_training,
-    training=lambda run: run.control.set_stage(run.rank, "training"),  # A stop signal now asks for a checkpoint.
-    epoch=start_epoch,
-    save_now=on_time,
-    logged=log_scalars,
-    epoch_done=count_epoch,
-    saved=saved,
-    stopping=stopping,
-    resumed=converted,
-    finish=finish,
-    ended=ended,
-    bug=bug_line,
-)
+HOOKS.update(flags=add_flags, parsed=check_flags, prepare=prepare, launch=launching, ended=ended, bug=bug_line)
+HOOKS.update(replica=watched, started=started, data=smoke_data, before_training=before_training, finish=finish)
+HOOKS.update(epoch=start_epoch, save_now=on_time, logged=log_scalars, epoch_done=count_epoch, saved=saved)
+HOOKS.update(stopping=stopping, resumed=converted)
+HOOKS["training"] = lambda run: run.control.set_stage(run.rank, "training")  # A stop signal now asks for a checkpoint.
 # ==== end of the instruments =========================================================================================
 if __name__ == "__main__":
     exit_code = main()
