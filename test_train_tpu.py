@@ -1130,7 +1130,12 @@ def test_out_dir_under_a_file_and_one_that_holds_a_run_exit_2(tmp_path, capsys, 
     (tmp_path / "file").write_text("")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint-0002-000000000.pt").write_text("")
-    for out, words in ((tmp_path / "file" / "run", "cannot make it"), (tmp_path / "old", "holds a run")):
+    monkeypatch.chdir(tmp_path / "old")  # (--out-dir . too: the working folder)
+    for out, words in (
+        (tmp_path / "file" / "run", "cannot make it"),
+        (tmp_path / "old", "holds a run"),
+        (".", "holds"),
+    ):
         assert tt.main(["--cores", "1", "--data", "synthetic", "--out-dir", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
