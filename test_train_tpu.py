@@ -1689,6 +1689,14 @@ def test_the_verdict_combines_every_replicas_checks(monkeypatch, tmp_path, capsy
 
 
 # ---- checkpoints and metrics (in this process) ---------------------------------------------------------------------
+def test_resume_of_a_folder_named_with_a_trailing_slash_as_a_shell_completes_it_goes_on_in_its_run_folder(tmp_path):
+    dcp = tmp_path / "checkpoint-0002-000000000"  # an SPMD checkpoint: a folder, whole once its .metadata is in
+    dcp.mkdir()
+    (dcp / ".metadata").write_text("")
+    assert os.path.dirname(tt.find_checkpoint(f"{dcp}/")) == str(tmp_path)  # not the checkpoint's own folder
+    assert tt.find_checkpoint(f"{tmp_path}/") == str(dcp)
+
+
 def test_damaged_checkpoints_exit_2_in_one_line(runs, tmp_path):
     good = tt.find_checkpoint(str(runs["root"] / "base"))
     data = Path(good).read_bytes()

@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
     p.add_argument("--resume", metavar="PATH", help="a checkpoint in either format, or a run folder (its newest)")
-    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's; none: 8547 on a TPU")
+    p.add_argument("--coordinator-port", type=int, help="XLA's coordination service's; none: torch_xla's, 8547")
     p.add_argument("--data", choices=("mnist", "synthetic"), default="mnist", help="synthetic: generated, offline")
     p.add_argument("--data-dir", default="data", help="MNIST's folder (DIR/MNIST/raw), or where to download it")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
@@ -482,7 +482,7 @@ KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older one
 
 def save(run, *, next_epoch, steps_done, test=None):
     """Saves the run at its position, with the test loss just measured (None on a stop). Returns the path."""
-    # Samples, not steps: a resume with another batch size finds no whole step and refuses, rather than start elsewhere.
+    # Samples, not steps: a resume with another batch size goes on from the same sample, or refuses if it is mid-step.
     samples = steps_done * run.global_batch
     ckpt = {
         "model": run.model.state_dict(),
@@ -549,6 +549,7 @@ def checkpoints(folder):
 
 
 def find_checkpoint(path):  # What --resume PATH names: a checkpoint, or the newest in a run folder.
+    path = path.rstrip("/") or path  # (as a shell completes a folder: its parent is the run folder)
     fs = store(path)
     try:
         if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
