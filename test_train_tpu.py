@@ -684,6 +684,12 @@ def noted(write):  # Every object that gcsfs writes, and the process that writes
     return note
 gcsfs.GCSFileSystem._put_file = noted(gcsfs.GCSFileSystem._put_file)
 gcsfs.GCSFileSystem._pipe_file = noted(gcsfs.GCSFileSystem._pipe_file)
+real_torch_save = torch.save
+def torch_save(data, path, *args, **kwargs):  # and every file that torch.save writes (xm.save's), with its process
+    with open("torch.saves", "a") as f:
+        f.write(f"{os.getpid()} {path}\\n")
+    return real_torch_save(data, path, *args, **kwargs)
+torch.save = torch_save
 """
 
 
@@ -1837,11 +1843,11 @@ def test_a_checkpoint_moves_to_spmd_and_back_and_computes_its_saved_test_loss(ru
     assert "| lr 0.02 |" in back.stdout
 
 
-def writes(runs, run):  # {object: the processes that wrote it} of a run in the bucket
+def writes(runs, run, log="gcs.writes"):  # {object: the processes that wrote it} of a run in the bucket
     found = collections.defaultdict(set)
-    for line in (runs["root"] / "gcs.writes").read_text().splitlines():
+    for line in (runs["root"] / log).read_text().splitlines():
         pid, path = line.split()
-        path = path.removeprefix("gs://")
+        path = path.removeprefix("gs://").removeprefix("runs/gs/")  # (torch.saves: the copy this machine writes first)
         if path.startswith(f"bucket/{run}/"):
             found[path.removeprefix(f"bucket/{run}/")].add(pid)
     return found
@@ -3157,3 +3163,5 @@ def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_w
     checkpoints = {path: pids for path, pids in writes(runs, "pod-stop").items() if path.startswith("checkpoint-")}
     assert f"checkpoint-0002-{step * 32:09d}.pt" in checkpoints  # each written by one process: each launch's master
     assert all(len(pids) == 1 for pids in checkpoints.values()) and len(set.union(*checkpoints.values())) == 2
+    local = writes(runs, "pod-stop", "torch.saves")  # and only that master serializes it: no other host, on its disk
+    assert local == {f"{name}.tmp": pids for name, pids in checkpoints.items()}
