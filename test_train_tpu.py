@@ -1575,6 +1575,38 @@ def test_the_epoch_lines_samples_per_second_is_steps_after_warm_up_times_global_
     assert (run.epochs[-1]["compiles"], run.epochs[-1]["recompiles"]) == (0, 2)
 
 
+def test_a_boundarys_loss_is_read_back_at_the_next_boundary_so_that_no_step_waits_for_the_device(monkeypatch):
+    events = []  # ("step", N) as step N is traced, ("read", N) as its loss comes back to the host
+
+    class Loss:  # a step's loss on the device: reading it back waits for that step to finish
+        def __init__(self, step):
+            self.step = step
+
+        def cpu(self):
+            events.append(("read", self.step))
+            return torch.tensor(0.5)
+
+    traced = iter(range(1, 31))
+
+    def train_step(run, batch, keep):
+        events.append(("step", next(traced)))
+        return Loss(events[-1][1])
+
+    monkeypatch.setattr(tt, "HOOKS", {})
+    monkeypatch.setattr(tt, "say", lambda run, line: None)
+    monkeypatch.setattr(tt, "on_device", lambda run, batches, stop: batches[:stop])
+    monkeypatch.setattr(tt, "train_step", train_step)
+    monkeypatch.setattr(tt, "evaluate", lambda run: tt.TestResult(0.5, 90.0, 1000))
+    monkeypatch.setattr(tt, "save", lambda run, **position: None)
+    monkeypatch.setattr(tt.torch_xla, "sync", lambda: None)
+    run = types.SimpleNamespace(args=tt.parse_args(["--log-steps", 10]), steps=30, global_batch=8, service=False)
+    run.optimizer, run.history, run.epochs = types.SimpleNamespace(param_groups=[dict(lr=0.1)]), [], []
+    tt.train_epoch(run, [None] * 30, 1, 0)
+    reads = [(step, events[:i].count(("step", step + 10))) for i, (kind, step) in enumerate(events) if kind == "read"]
+    assert reads == [(10, 1), (20, 1), (30, 0)]  # each once the next boundary is traced; the last at the epoch's end
+    assert [h["step"] for h in run.history] == [10, 20, 30]
+
+
 def test_the_numerics_check_compares_one_set_of_weights_whatever_your_initialisation_does(monkeypatch):
     seeds = iter(range(100, 200))
 
