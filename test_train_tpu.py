@@ -2162,14 +2162,14 @@ def test_the_smoke_on_32_devices_trains_40_steps_an_epoch_and_a_healthy_machine_
 def eager_two_replicas(epochs_and_steps, batch=16, seed=5, replicas=2):
     """WORLD_RUN's training in eager PyTorch: each replica's DistributedSampler shard, the gradients averaged over the
     replicas (as xm.optimizer_step's all-reduce does), one SGD step: the model after the given (epoch, steps) pairs, its
-    optimizer, and replica 0's loss at each step (what the master logs)."""
+    optimizer, and replica 0's loss and the learning rate at each step (what the master logs)."""
     args = tt.parse_args([str(a) for a in WORLD_RUN])
     images, labels = tt.dataset(args, train=True).tensors
     shards = [DistributedSampler(range(len(labels)), replicas, r, seed=seed, drop_last=True) for r in range(replicas)]
     torch.manual_seed(seed)
     model = tt.ToyModel()
     optimizer, schedule = tt.build_optimizer(args, model, args.epochs * args.steps_per_epoch)  # the edit point's own
-    losses = []
+    losses, lrs = [], []
     for epoch, steps in epochs_and_steps:
         for shard in shards:
             shard.set_epoch(epoch)  # a new shuffle each epoch
@@ -2181,9 +2181,10 @@ def eager_two_replicas(epochs_and_steps, batch=16, seed=5, replicas=2):
                 loss = F.cross_entropy(model(tt.model_input(images[indices])), labels[indices])
                 (loss / replicas).backward()
                 losses.append(loss.item())
+            lrs.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             schedule.step()
-    return model, optimizer, losses[::replicas]
+    return model, optimizer, losses[::replicas], lrs
 
 
 def eager_test(model, args):
@@ -2727,14 +2728,15 @@ def test_the_trainer_alone_trains_and_in_replica_processes_stops_at_one_step_on_
     assert code == 143 and not left and stopped, err[-3000:]
     assert "WORLD replica process 1: libtpu started" in out and "preemption_notifier.cc" in err
     step = int(stopped.group(1))
-    model, optimizer, _ = eager_two_replicas([(1, 6), (2, step)])
+    model, optimizer, *_ = eager_two_replicas([(1, 6), (2, step)])
     assert (saved["epoch"], saved["samples"]) == (2, step * 32)  # the stop's, at the step named
     same_weights(saved, model, optimizer)
     assert resumed[0] == 0, resumed[2][-3000:]
-    model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6), (3, 6)])
+    model, optimizer, losses, lrs = eager_two_replicas([(1, 6), (2, 6), (3, 6)])
     saved = final(folder / "stop")
     same_weights(saved, model, optimizer)
     assert [h["loss"] for h in saved["history"]] == pytest.approx(losses, abs=1e-5)  # each step once, replica 0's
+    assert [h["lr"] for h in saved["history"]] == pytest.approx(lrs, rel=1e-9)  # each step's own, not the next's
 
 
 def test_your_model_without_layerdrop_s_hooks_passes_ruff_and_layerdrop_exits_2_in_one_line(runs, capsys):
@@ -3176,14 +3178,14 @@ def test_a_slice_stopped_mid_a_slow_epoch_saves_within_3_steps_what_the_master_w
     for k in (0, 1):  # each launcher's last line, in its host's log
         assert text(f"{folder}/log-host-{k}.txt").splitlines()[0] == line
     assert "2 devices, a replica each | global batch 32" in stopped[0][0][1]
-    model, optimizer, _ = eager_two_replicas([(1, 6), (2, step)])
+    model, optimizer, *_ = eager_two_replicas([(1, 6), (2, step)])
     same_weights(stop, model, optimizer)
     failed = (
         f"host 1 (vm): replica 1: failed: RuntimeError: bad chip (at {raised_at(POD_FAULT, 'HOW')}; traceback above)"
     )
     kept = ["checkpoint-0003-000000000.pt", "checkpoint-0003-000000128.pt"]
     pod_ended(runs, "pod-stop", 1, failed, kept, resumed, folder=folder)  # the first end, by the bucket's clock
-    model, optimizer, losses = eager_two_replicas([(1, 6), (2, 6), (3, 4)])
+    model, optimizer, losses, _ = eager_two_replicas([(1, 6), (2, 6), (3, 4)])
     saved = final(folder)
     same_weights(saved, model, optimizer)
     assert [(h["epoch"], h["step"]) for h in saved["history"]] == [(e, s) for e in (1, 2, 3) for s in range(1, 7)][:16]
