@@ -1519,6 +1519,24 @@ def test_the_trainer_alone_passes_a_sigterm_sent_to_its_launcher_alone_on_to_its
     assert signal.getsignal(signal.SIGTERM) is handler  # given back after the run
 
 
+@pytest.mark.parametrize("mode", [["--cores", 1], ["--spmd"]])
+def test_the_trainer_alone_asks_the_replica_in_its_own_process_to_stop_at_its_next_step_on_sigterm(
+    monkeypatch, tmp_path, mode
+):
+    monkeypatch.setattr(tt, "HOOKS", {})  # the trainer alone
+    asked = []
+
+    def replica(*args, **kwargs):  # the replica, in this process (xmp.spawn's nprocs=1, or SPMD): a SIGTERM comes
+        asked.append(tt.stop_asked(types.SimpleNamespace(service=False), 1))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        asked.append(tt.stop_asked(types.SimpleNamespace(service=False), 2))
+
+    monkeypatch.setattr(tt.xmp, "spawn", replica)
+    monkeypatch.setattr(tt, "train", replica)
+    assert tt.main(["--data", "synthetic", "--out-dir", tmp_path / "run", *mode]) == 0
+    assert asked == [0, signal.SIGTERM]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
 def test_ctrl_c_and_an_ssh_sessions_hangup_have_no_grace_only_a_preemptions_sigterm_has(monkeypatch, tmp_path, signum):
     """A step that outlasts 25 s after Ctrl-C still saves: nothing kills it but a second signal."""
