@@ -207,9 +207,9 @@ def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
     # InMemory's batches need no collating (nor those of a Subset of one, which passes its __getitems__ on).
     whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None
-    # Workers leave a stop signal to their replica, which saves, then ends them. They are forked, as on Linux by
-    # default: in xmp.spawn's processes a spawned worker would import this file anew (7 CPU-s). Their own generator
-    # seeds them, as the global RNG is initial_model's.
+    # Workers leave a stop signal to their replica, which saves, then ends them. They are forked: in xmp.spawn's
+    # processes Python's default is to spawn them (measured), and each would import this file anew (7 CPU-s). Their own
+    # generator seeds them, as the global RNG is initial_model's.
     return DataLoader(
         data,
         run.load_batch,
