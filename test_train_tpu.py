@@ -1653,7 +1653,8 @@ def test_the_checkpoint_check_compares_every_tensor_of_any_optimizers_state(tmp_
         True,
         f"{tmp_path}/checkpoint-0002-000000000.pt read back: 16/16 tensors identical",
     )
-    optimizer.state[model.fc1.bias]["exp_avg"] += 1  # memory and disk now differ in one tensor
+    moment = optimizer.state[model.fc1.bias]["exp_avg"]  # memory and disk now differ in one value of one tensor, by
+    moment[0] = torch.nextafter(moment[0], moment[0] + 1)  # its last bit: bit for bit, not to a tolerance
     assert tt.check_checkpoint(run)[0] is False and "15/16 tensors identical" in tt.check_checkpoint(run)[1]
     (tmp_path / "checkpoint-0002-000000000.pt").write_bytes(b"torn")  # a FAIL, not an Exit on the master alone
     assert tt.check_checkpoint(types.SimpleNamespace(master=True, out_dir=str(tmp_path / "none")))[0] is False
