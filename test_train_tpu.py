@@ -1081,6 +1081,23 @@ def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, bat
     assert sorted(counted) == list(range(1003)) and sorted(data.reads) == list(range(1003))  # each read once
 
 
+def test_evaluation_averages_the_loss_and_accuracy_over_the_real_samples_only_not_the_padding():
+    torch.manual_seed(0)
+    model = tt.ToyModel()
+    images, labels = tt.synthetic_digits(50, seed=7)
+    x = normalized(images)
+    run = fake_run(1, 0, 16)  # 50 samples: 3 whole batches, and one of 2 padded with 14 copies of its last
+    run.device, run.mesh, run.model = tt.torch_xla.device(), None, tt.ToyModel().to(tt.torch_xla.device())
+    run.model.load_state_dict(model.state_dict())
+    run.test = tt.loader(run, tt.InMemory(x, labels), range(50))
+    result = tt.evaluate(run)
+    with torch.no_grad():
+        logits = model(x)
+    assert result.samples == 50
+    assert result.loss == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)  # eager PyTorch's mean
+    assert result.accuracy == pytest.approx(100 * (logits.argmax(1) == labels).float().mean().item())
+
+
 # ---- flags and the environment, refused in one line before any device starts (in this process) --------------------
 @pytest.mark.parametrize(
     "argv, words",
