@@ -1162,6 +1162,10 @@ def test_out_dir_under_a_file_and_one_that_holds_a_run_exit_2(tmp_path, capsys, 
         assert tt.main(["--cores", "1", "--data", "synthetic", "--out-dir", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("")  # where the default run folder, runs/<time>, would go
+    assert tt.main(["--cores", "1", "--data", "synthetic"]) == 2
+    assert capsys.readouterr().err.endswith("error: --out-dir runs: cannot make it (File exists)\n")
 
 
 def test_missing_mnist_that_cannot_be_downloaded_exits_2(tmp_path, monkeypatch, capsys):

@@ -808,11 +808,13 @@ def prepare(args):
         except Exception as e:
             why = f"{type(model).__name__} cannot take --data {args.data}'s inputs ({' x '.join(map(str, x.shape))})"
             raise Exit(2, f"error: --smoke: {why}: {first_line(e)}: give --smoke the --data of your dataset") from e
-    out, resumed = args.out_dir, args.resume and os.path.abspath(os.path.dirname(args.resume))  # (URLs too)
+    resumed = os.path.dirname(args.resume) if args.resume else None
+    out = args.out_dir or resumed or "runs"  # the folder main() writes in (its default, runs/<time>, goes in runs)
     try:  # A folder with a checkpoint holds a run, which only a run resumed from it may go on writing.
-        if out and store(out).isdir(out) and checkpoints(out) and os.path.abspath(out) != resumed:
+        same = resumed is not None and os.path.abspath(resumed) == os.path.abspath(out)  # (URLs too)
+        if args.out_dir and store(out).isdir(out) and checkpoints(out) and not same:
             raise Exit(2, f"error: --out-dir {out} holds a run: continue it with --resume, or name another")
-        os.makedirs(local_folder(out or "runs"), exist_ok=True)
+        os.makedirs(local_folder(out), exist_ok=True)
     except OSError as e:
         raise Exit(2, f"error: --out-dir {out}: cannot make it ({e.strerror})") from e
     if args.coordinator_port is None and kind != "TPU":  # Off a TPU, a free one: two runs here would share 8547.
@@ -901,10 +903,11 @@ def started(run):  # once the replica's runtime started
 
 
 def smoke_data(run):  # --smoke: the synthetic digits shaped for your model, read as often as its steps need
-    args = run.args  # (as many steps on 32 devices as on 1: the digits' 12,000 give 8 devices 11 steps of 1,024)
+    args = run.args
     if not args.smoke:
         return None
     data = smoke_shaped(run.model, dataset(args, train=True))
+    # As many steps on 32 devices as on 1: the digits' 12,000 samples give 8 devices 11 steps of 1,024 an epoch.
     need, have = args.steps_per_epoch * run.global_batch, len(data)
     if have < need:
         steps = f"{args.epochs} epochs of {args.steps_per_epoch} steps of {run.global_batch}"
