@@ -64,7 +64,7 @@ NOT_SETTINGS = ("cores", "spmd", "workers", "out_dir", "resume", "coordinator_po
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # (a call may pass numbers)
     p = argparse.ArgumentParser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--cores", type=int, help="1: one device, in this process; else all, a replica process each")
+    p.add_argument("--cores", type=int, help="1: one device, in this process; N: all N, a replica process each")
     p.add_argument("--spmd", action="store_true", help="one process shards each batch over every device")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per replica (0: in its own)")
     p.add_argument("--out-dir", help="the run folder, or gs://BUCKET/RUN; default: runs/<time>, or the resumed run's")
@@ -286,7 +286,7 @@ def padded(run, batches):  # The last batch filled up with copies of a sample ma
         yield x[fill], y[fill], (torch.arange(run.load_batch) < len(y)).float()
 
 
-# Every replica takes the master's float tensors: TPUs all-reduce no int64 (pytorch/xla#1952).
+# Every replica takes the master's float32 and bfloat16 tensors: TPUs all-reduce no int64 (pytorch/xla#1952).
 def broadcast(run, tensors):
     floats = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
     if run.world > 1 and floats:
