@@ -2659,14 +2659,14 @@ def cosine(steps):  # a copy's schedule: the lr's factor, from 1 at step 0 down 
     return lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
 
 
-def resumed(tmp_path, ckpt, flags, steps=10, batch=8, schedule=None):
-    """A copy whose edit point returns Adam and a cosine schedule over the run (--epochs of `steps` steps of `batch`
-    samples), or the `schedule` given, resumed from `ckpt` (saved as c.pt) with `flags`."""
+def resumed(tmp_path, ckpt, flags, steps=10, batch=8, schedule=None, optimizer=torch.optim.Adam):
+    """A copy whose edit point returns Adam (or the `optimizer` given) and a cosine schedule over the run (--epochs of
+    `steps` steps of `batch` samples), or the `schedule` given, resumed from `ckpt` (saved as c.pt) with `flags`."""
     torch.save(ckpt, tmp_path / "c.pt")
     run = fake_run(1, 0, batch)
     vars(run).update(args=tt.parse_args(["--resume", tmp_path / "c.pt", *flags]), model=tt.ToyModel(), steps=steps)
     vars(run).update(global_batch=batch, out_dir=str(tmp_path), kind="CPU", mesh=None, device=None)
-    run.optimizer = torch.optim.Adam(run.model.parameters(), lr=run.args.lr)
+    run.optimizer = optimizer(run.model.parameters(), lr=run.args.lr)
     run.schedule = torch.optim.lr_scheduler.LambdaLR(run.optimizer, cosine(run.args.epochs * run.steps))
     if schedule is not None:
         run.schedule = schedule(run.optimizer)
@@ -2728,6 +2728,37 @@ def test_a_resume_keeps_the_optimizers_own_param_groups_and_schedule_but_for_the
     run.schedule.step()
     chain.step()
     assert run.optimizer.param_groups[0]["lr"] == pytest.approx(adam.param_groups[0]["lr"], rel=1e-12)  # as saved
+
+
+def test_a_momentum_given_again_on_resume_is_sgds_from_there_and_its_momentum_buffers_stay(tmp_path, monkeypatch):
+    monkeypatch.setattr(tt, "verify", lambda *args: None)
+    monkeypatch.setattr(tt.xm, "set_rng_state", lambda *args: None)
+    model = tt.ToyModel()
+    args = tt.parse_args(["--epochs", 3])  # (the settings saved: --momentum 0.9, the default)
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    F.cross_entropy(model(torch.zeros(2, 1, 28, 28)), torch.zeros(2, dtype=torch.long)).backward()
+    sgd.step()
+    ckpt = dict(model=model.state_dict(), optimizer=sgd.state_dict(), epoch=2, samples=0, device="CPU", rng=0)
+    ckpt |= dict(test_loss=None, history=[], epochs=[], settings=settings(tt, args))
+    buffers = [sgd.state[p]["momentum_buffer"] for p in model.parameters()]
+    for flags, momentum in (([], 0.9), (["--momentum", 0.5], 0.5)):
+        run = resumed(tmp_path, ckpt, flags, optimizer=functools.partial(torch.optim.SGD, momentum=0.1))
+        assert run.optimizer.param_groups[0]["momentum"] == momentum, flags  # as saved, or as given again
+        state = [run.optimizer.state[p]["momentum_buffer"] for p in run.model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(state, buffers, strict=True))
+
+
+def test_the_schedule_rises_to_lr_over_the_first_5_percent_of_the_steps_then_falls_by_a_cosine_to_a_tenth():
+    """build_optimizer's, as README.md gives it, over a run of 105 steps: 5 of warm-up, then 100 of cosine."""
+    optimizer, schedule = tt.build_optimizer(tt.parse_args(["--lr", 0.1]), tt.ToyModel(), 105)
+    lrs = []
+    for _ in range(106):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()  # (no gradients: nothing moves)
+        schedule.step()
+    assert lrs[:6] == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1, 0.1], rel=1e-12)
+    assert (lrs[55], lrs[105]) == pytest.approx((0.055, 0.01), rel=1e-12)  # half way down; a tenth at the end
+    assert all(a > b for a, b in zip(lrs[5:], lrs[6:])) and optimizer.param_groups[0]["momentum"] == 0.9
 
 
 def test_a_checkpoint_keeps_every_flag_as_a_setting_but_where_and_how_the_process_runs(runs):
