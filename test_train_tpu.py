@@ -1089,18 +1089,22 @@ def test_evaluation_counts_each_test_sample_once_whatever_the_padding(world, bat
 
 
 def test_evaluation_averages_the_loss_and_accuracy_over_the_real_samples_only_not_the_padding():
+    """A model with Dropout: evaluated in eval mode, as eager PyTorch's, and left in training mode."""
     torch.manual_seed(0)
-    model = tt.ToyModel()
+
+    def model():
+        return torch.nn.Sequential(tt.ToyModel(), torch.nn.Dropout(0.5))
+
     images, labels = tt.synthetic_digits(50, seed=7)
     x = normalized(images)
     run = fake_run(1, 0, 16)  # 50 samples: 3 whole batches, and one of 2 padded with 14 copies of its last
-    run.device, run.mesh, run.model = tt.torch_xla.device(), None, tt.ToyModel().to(tt.torch_xla.device())
-    run.model.load_state_dict(model.state_dict())
+    run.device, run.mesh, run.model, eager = tt.torch_xla.device(), None, model().to(tt.torch_xla.device()), model()
+    run.model.load_state_dict(eager.state_dict())
     run.test = tt.loader(run, tt.InMemory(x, labels), range(50))
     result = tt.evaluate(run)
     with torch.no_grad():
-        logits = model(x)
-    assert result.samples == 50
+        logits = eager.eval()(x)
+    assert result.samples == 50 and run.model.training
     assert result.loss == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)  # eager PyTorch's mean
     assert result.accuracy == pytest.approx(100 * (logits.argmax(1) == labels).float().mean().item())
 
