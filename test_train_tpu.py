@@ -2752,6 +2752,24 @@ def test_a_momentum_given_again_on_resume_is_sgds_from_there_and_its_momentum_bu
         assert all(torch.equal(a, b) for a, b in zip(state, buffers, strict=True))
 
 
+def test_a_resume_whose_saved_position_is_no_whole_step_of_this_run_exits_2_in_one_line(tmp_path, monkeypatch):
+    """12 samples into an epoch, at 8 a step; or 80 samples, 10 whole steps, of an epoch that now has 10 steps."""
+    monkeypatch.setattr(tt, "verify", lambda *args: None)
+    monkeypatch.setattr(tt.xm, "set_rng_state", lambda *args: None)
+    model = tt.ToyModel()
+    ckpt = dict(model=model.state_dict(), optimizer=torch.optim.Adam(model.parameters()).state_dict(), epoch=2)
+    ckpt |= dict(device="CPU", rng=0, test_loss=None, history=[], epochs=[], settings=settings(tt, tt.parse_args([])))
+    for samples in (12, 80):
+        with pytest.raises(tt.Exit) as e:
+            resumed(tmp_path, dict(ckpt, samples=samples), [], steps=10, batch=8)
+        why = f"{samples} samples into its epoch are no whole step of this run's 10"
+        assert (e.value.code, e.value.line) == (
+            2,
+            f"error: --resume {tmp_path / 'c.pt'}: {why}: resume with the batch size and --steps-per-epoch it had",
+        )
+    assert resumed(tmp_path, dict(ckpt, samples=72), [], steps=10, batch=8).schedule.last_epoch == 19  # step 9 of 10
+
+
 def test_the_schedule_rises_to_lr_over_the_first_5_percent_of_the_steps_then_falls_by_a_cosine_to_a_tenth():
     """build_optimizer's, as README.md gives it, over a run of 105 steps: 5 of warm-up, then 100 of cosine."""
     optimizer, schedule = tt.build_optimizer(tt.parse_args(["--lr", 0.1]), tt.ToyModel(), 105)
