@@ -828,6 +828,10 @@ def started(tmp_path_factory, gcs):
             timeout=120,
             patch="tt.build_optimizer = lambda *args: time.sleep(3600)  # the only replica, in this process, hangs",
         ),
+        "bad_data": lambda: (  # your dataset fails at its 6th batch of 10; a batch larger than the training set
+            cli(*["--data", "synthetic", "--cores", 1, "--epochs", 1, "--steps-per-epoch", 10], cwd=root, patch=FLAKY),
+            cli("--data", "synthetic", "--cores", 1, "--batch-size", 12_001, "--out-dir", "big", cwd=root),
+        ),
         "fit": lambda: script(FIT_SMOKE + FIT_ENDS, cwd=root),  # (one process: each costs 5 s of imports)
         "static": lambda: cli(  # without the tensorboard package
             *LAYERDROP, "--layerdrop", "static", "--max-recompiles", 0, "--out-dir", "sta", cwd=root, patch=NO_BOARD
@@ -2331,6 +2335,29 @@ def test_an_exit_that_one_replica_raises_alone_ends_every_replica_with_its_code_
     code, out, err, left, after_fault = runs["alone"]
     assert code == 2 and not left and after_fault < 30, err[-3000:]
     assert last_line_of(err) == "train_tpu.py: error: checkpoint c.pt: cannot read it (OSError): on replica 1 only"
+
+
+FLAKY = """
+real, calls = tt.InMemory.__getitems__, []
+def flaky(self, indices):  # the training set's 6th batch: a truncated image
+    calls.append(len(self))
+    if calls.count(12_000) == 6:
+        raise OSError("image 4242 is truncated")
+    return real(self, indices)
+tt.InMemory.__getitems__ = flaky
+sys.argv += ["--out-dir", "flaky"]
+"""
+
+
+def test_an_epoch_whose_input_fails_mid_way_ends_the_run_with_no_checkpoint_and_a_batch_too_large_exits_2(runs):
+    """MpDeviceLoader's thread prints your dataset's error and ends the epoch quietly, after 5 of its 10 steps: the
+    trainer ends the run there (exit 1), saving nothing as done. A --batch-size over the training set exits 2."""
+    failed, big = runs["bad_data"]
+    line = "train_tpu.py: failed: RuntimeError: epoch 1's input stopped at step 5 of 10 (at train_tpu.py:"
+    assert failed.returncode == 1 and last_line(failed).startswith(line), failed.stderr[-2000:]
+    assert "OSError: image 4242 is truncated" in failed.stderr and not tt.checkpoints(str(runs["root"] / "flaky"))
+    error = "train_tpu.py: error: --batch-size 12001: more than a replica's share of the training set"
+    assert big.returncode == 2 and last_line(big) == error
 
 
 def test_a_stalled_replica_in_the_launchers_own_process_ends_it_at_the_deadline(runs):
