@@ -1721,6 +1721,28 @@ def test_with_one_epoch_the_compilation_check_says_there_is_nothing_to_count(mon
     )
 
 
+def test_the_compilation_check_fails_recompiles_past_the_allowance_and_any_cpu_fallback_op(monkeypatch):
+    allowed = "graphs compiled after warm-up, the most in any process (allowed 2), CPU fallback ops:"
+    for recompiles, ops, passed in ((2, "none", True), (3, "none", False), (0, "aten::nonzero x3", False)):
+        monkeypatch.setattr(tt, "fallback_ops", lambda ops=ops: ops)
+        run = types.SimpleNamespace(args=tt.parse_args(["--smoke", "--max-recompiles", 2]), recompiles=recompiles)
+        assert tt.check_compilation(run) == (passed, f"{recompiles} {allowed} {ops}")
+
+
+def test_a_resumed_test_loss_off_by_more_than_the_tolerance_either_way_exits_4(monkeypatch):
+    saved = 0.5
+    ckpt = dict(test_loss=saved, device="CPU", settings=dict(data="synthetic", data_dir="data"))
+    run = types.SimpleNamespace(kind="CPU", args=tt.parse_args(["--data", "synthetic"]), master=False)
+    for loss, fails in ((saved + 2e-5, True), (saved - 2e-5, True), (saved - 5e-6, False), (math.nan, True)):
+        monkeypatch.setattr(tt, "evaluate", lambda run, loss=loss: tt.TestResult(loss, 90.0, 2000))
+        if fails:
+            with pytest.raises(tt.Exit, match=r"^failed: resume check: c.pt gives test loss ") as e:
+                tt.verify(run, "c.pt", ckpt)
+            assert e.value.code == 4
+        else:
+            assert tt.verify(run, "c.pt", ckpt).loss == loss
+
+
 def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint-0002-000000000.pt"
     torch.save(
