@@ -1974,6 +1974,49 @@ def writes(runs, run, log="gcs.writes"):  # {object: the processes that wrote it
     return found
 
 
+def test_an_spmd_checkpoint_goes_up_to_a_bucket_with_its_metadata_after_every_shard_is_in(gcs, tmp_path, monkeypatch):
+    """A DCP folder counts once its .metadata is there, so a kill mid-upload must leave it uncounted. gcsfs uploads a
+    list of files at once: here the shards take 0.3 s each, and .metadata starts only once both are in."""
+    import asyncio
+
+    import gcsfs
+
+    events, real = [], gcsfs.GCSFileSystem._put_file
+
+    async def put_file(self, lpath, rpath, *args, **kwargs):
+        name = rpath.rsplit("/", 1)[-1]
+        events.append(("start", name))
+        if name != ".metadata":
+            await asyncio.sleep(0.3)
+        result = await real(self, lpath, rpath, *args, **kwargs)
+        events.append(("in", name))
+        return result
+
+    def dcp_save(ckpt, storage_writer, planner):  # what DCP writes under SPMD: a shard a device, then .metadata
+        for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+            (Path(storage_writer) / name).write_bytes(b"x")
+
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "_put_file", put_file)
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "_cache", {})  # (an instance binds its sync methods as it is made)
+    monkeypatch.setattr(tt.dcp, "save", dcp_save)
+    monkeypatch.setattr(tt.dcp, "FileSystemWriter", lambda path: os.makedirs(path) or path)
+    monkeypatch.setattr(tt.xc, "SPMDSavePlanner", lambda: None)
+    monkeypatch.setattr(tt.xm, "get_rng_state", lambda device: 0)
+    monkeypatch.delitem(tt.HOOKS, "saved")
+    monkeypatch.chdir(tmp_path)
+    run = fake_run(1, 0, 8)
+    run.args.out_dir = out = f"gs://bucket/order-{time.monotonic_ns()}"
+    os.makedirs(tt.local_folder(out))
+    vars(run).update(
+        mesh=object(), master=True, global_batch=8, model=tt.ToyModel(), history=[], epochs=[], device=None
+    )
+    run.optimizer, run.schedule = tt.build_optimizer(run.args, run.model, 10)
+    path = tt.save(run, next_epoch=2, steps_done=0)
+    assert path == f"{out}/checkpoint-0002-000000000" and tt.checkpoints(out) == [path]
+    assert events.index(("start", ".metadata")) > max(events.index(("in", n)) for n in ("__0_0.distcp", "__1_0.distcp"))
+    assert not os.listdir(tt.local_folder(out))  # the copy written here first is gone
+
+
 def test_the_newest_checkpoint_in_a_bucket_is_the_last_written_whatever_its_name(gcs):
     """As on a disk: a run resumed from an older checkpoint goes on in its folder. Neither a DCP folder without its
     .metadata (being written) nor a .tmp counts."""

@@ -508,15 +508,16 @@ def save(run, *, next_epoch, steps_done, test=None):
             warnings.simplefilter("ignore")  # DCP's, that no process group is set: this process is the whole run
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
     # A kill mid-write, or before the move, leaves the last whole checkpoints. A bucket's object appears whole, and a
-    # DCP folder counts once its .metadata is in: it is uploaded last.
+    # DCP folder counts once its .metadata is in: it goes up once every shard is in (gcsfs uploads a list at once).
     if run.master:
         fs = store(out)
         if "://" not in out:
             shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
             os.replace(written, path)
         elif os.path.isdir(written):
-            names = sorted(os.listdir(written), key=lambda n: n == ".metadata")
-            fs.put([f"{written}/{n}" for n in names], [f"{path}/{n}" for n in names])
+            shards = [n for n in os.listdir(written) if n != ".metadata"]
+            fs.put([f"{written}/{n}" for n in shards], [f"{path}/{n}" for n in shards])
+            fs.put_file(f"{written}/.metadata", f"{path}/.metadata")
             shutil.rmtree(written)
         else:
             fs.put_file(written, path)
