@@ -332,6 +332,11 @@ def world(root, kind, *argv, patch="", when=None, timeout=300, replicas=2, optim
     return group([sys.executable, "-u", str(launcher), *map(str, argv)], root, when, environ, timeout, **how)
 
 
+# Where a process of a slice dies, the service's heartbeat timeout in these runs; the hosts end within ENDED of the
+# fault: the service's timeout, then their launchers' ends (2 to 3 s here alone; more on a loaded machine).
+LOST, ENDED = 55, 75
+
+
 def on_slice(root, out, *argv, patch="", timeout=240, when=None, replicas=1, lost_after=None, **how):
     """Runs train_tpu.py on an emulated pod slice: two hosts, each a launcher of `replicas` replica processes (the world
     of processes), ordinals host x replicas + local rank, one gloo world whose collectives wait when a peer is gone, one
@@ -665,7 +670,7 @@ def pod_stopped_then_one_raises(root):
     stop = tt.load_checkpoint(tt.find_checkpoint(out))
     there = f'tt.store("{out}").exists("{out}/checkpoint-0003-000000128.pt")'
     fault = pod_fault("raise RuntimeError('bad chip')").replace("len(steps) == 8", there)
-    resumed = on_slice(root, out, "--resume", out, "--save-steps", 4, patch=fault + WRITES, lost_after=55)
+    resumed = on_slice(root, out, "--resume", out, "--save-steps", 4, patch=fault + WRITES, lost_after=LOST)
     return stopped, saved, stop["samples"] // 32, stop, resumed
 
 
@@ -867,7 +872,7 @@ def started(tmp_path_factory, gcs):
             replicas=2,
         ),
         "pod_killed": lambda: on_slice(
-            root, "pod-killed", "--smoke", *POD, patch=pod_fault("os.kill(os.getpid(), 9)"), lost_after=55
+            root, "pod-killed", "--smoke", *POD, patch=pod_fault("os.kill(os.getpid(), 9)"), lost_after=LOST
         ),
         "pod_lost": lambda: on_slice(  # host 1's launcher and replica killed at once, as a VM that is gone
             root,
@@ -876,7 +881,7 @@ def started(tmp_path_factory, gcs):
             patch=pod_fault("time.sleep(3600)"),
             when={1: ("FAULT", ("alone", signal.SIGKILL))},
             replicas=1,
-            lost_after=55,
+            lost_after=LOST,
         ),
         "pod_start": lambda: on_slice(  # host 0's replica waits for host 1's at the service, until the deadline
             root, "pod-start", "--smoke", "--smoke-timeout", 40, *POD, patch=POD_START, replicas=1
@@ -3278,14 +3283,14 @@ def text(path):  # a file's, or a bucket's object's
 
 
 def pod_ended(runs, name, code, line, kept=("checkpoint-0001-000000128.pt",), results=None, folder=None):
-    """Both hosts exited `code` with `line` last (the first end, which each host notes in the run folder), within 60 s
-    of the fault (the coordination service ends the other host's), with no process of theirs left; the checkpoints
-    saved before stay."""
+    """Both hosts exited `code` with `line` last (the first end, which each host notes in the run folder), within ENDED
+    seconds of the fault (the coordination service ends the other host's), with no process of theirs left; the
+    checkpoints saved before stay."""
     fault = float((runs["root"] / f"{name}.fault").read_text())
     results = results or runs[name.replace("-", "_")]
     for k, ((got, out, err, left, _), ended) in enumerate(results):
         assert (got, last_line_of(err)) == (code, f"train_tpu.py: {line}"), (k, out[-2000:] + err[-3000:])
-        assert not left and ended - fault < 60, (k, left, ended - fault)
+        assert not left and ended - fault < ENDED, (k, left, ended - fault)
         assert text(f"{folder or runs['root'] / name}/log-host-{k}.txt").splitlines()[-1] == f"train_tpu.py: {line}"
     assert [os.path.basename(p) for p in tt.checkpoints(str(folder or runs["root"] / name))] == list(kept)
 
@@ -3304,12 +3309,12 @@ def test_a_replica_killed_on_one_host_of_a_slice_under_smoke_ends_every_host_wit
     assert printed == [0, 1]  # by host 1's launcher only
 
 
-def test_a_host_that_vanishes_from_a_slice_ends_the_others_within_60_s_through_the_coordination_service(runs):
+def test_a_host_that_vanishes_from_a_slice_ends_the_others_within_75_s_through_the_coordination_service(runs):
     """Host 1's launcher and replica killed at once, as a VM that is gone: the service (in host 0's process 0) misses
     its heartbeats, and ends host 0's replica process, which waits for it in a collective."""
     (code, out, err, left, _), ended = runs["pod_lost"][0]
     fault = float((runs["root"] / "pod-lost.fault").read_text())
-    assert code == 1 and not left and ended - fault < 60, (ended - fault, err[-3000:])
+    assert code == 1 and not left and ended - fault < ENDED, (ended - fault, err[-3000:])
     how = "killed by SIGABRT: the coordination service ended it, as a process elsewhere stopped (its log above names"
     how += " the unhealthy tasks: task K is the process of xr.process_index() K), or it aborted"
     line = f"failed: host 0 (vm): replica 0 (device 0)'s process died ({how}) in training; its checkpoints stay"
