@@ -508,7 +508,7 @@ def save(run, *, next_epoch, steps_done, test=None):
             warnings.simplefilter("ignore")  # DCP's, that no process group is set: this process is the whole run
             dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
     # A kill mid-write, or before the move, leaves the last whole checkpoints. A bucket's object appears whole, and a
-    # DCP folder counts once its .metadata is in: it goes up once every shard is in (gcsfs uploads a list at once).
+    # DCP folder counts once its .metadata is in: it goes up after every shard (fsspec/asyn.py: put sends all at once).
     if run.master:
         fs = store(out)
         if "://" not in out:
