@@ -4,9 +4,8 @@ from one process that shards each batch over every device (--spmd). See README.m
   python train_tpu.py --spmd --resume runs/<run>   # continue a run under SPMD
   PJRT_DEVICE=CPU python train_tpu.py --cores 1 --data synthetic --epochs 1   # no TPU: the CPU"""
 
-# The trainer comes first. The block of instruments after it (--smoke: is this TPU VM fit to train on?, run control,
-# the checks, fit()) adds to the run where the trainer calls hook(). Without the block the trainer runs alone:
-#   sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
+# The trainer comes first. The instruments' block after it (--smoke, run control, fit()) adds to the run where the
+# trainer calls hook(). Without it the trainer runs alone: sed '/^# ==== /,/^# ==== end/d' train_tpu.py > mine.py
 
 import argparse
 import atexit
@@ -16,10 +15,8 @@ import itertools
 import math
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -29,13 +26,10 @@ import warnings
 import fsspec
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_convert
 
-# A torch_xla built for another torch fails to import, and so, on a TPU VM, does one whose metadata server is away.
 USER_DEVICE = os.environ.get("PJRT_DEVICE")  # (for the instruments) as given: importing torch_xla sets it
 XLA_IMPORT_ERROR = None
 try:
@@ -44,10 +38,9 @@ try:
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.distributed.spmd as xs
     import torch_xla.distributed.xla_multiprocessing as xmp
-    import torch_xla.experimental.distributed_checkpoint as xc
     import torch_xla.runtime as xr
     from torch_xla._internal import tpu
-except Exception as e:
+except Exception as e:  # built for another torch, say, or on a TPU VM whose metadata server is away
     XLA_IMPORT_ERROR = e
 
 HOOKS = {}  # {a point of the run: the function for it}, which the instruments' block fills
@@ -155,10 +148,10 @@ def build_model(args):
 
 # ---- optimizer and learning-rate schedule: your own goes here (edit 3 of 3) ------------------------------------------
 def build_optimizer(args, model, steps):
-    """The optimizer, and a torch.optim.lr_scheduler stepped after each of the run's `steps`. Here SGD with momentum, on
-    the schedule most runs use: --lr reached linearly over the first 5% of the steps (a large global batch can diverge
-    at its full rate from the start), then a cosine down to a tenth of it at the end, as nanoGPT's."""
-    # foreach=True: one call updates every parameter. A Python loop over them took a third of the host's step time.
+    """The optimizer, and a torch.optim.lr_scheduler stepped after each of the run's `steps`. Here SGD with momentum:
+    --lr reached over the first 5% of the steps (a large global batch can diverge at its full rate from the start),
+    then a cosine down to a tenth of it, as nanoGPT's. foreach=True: one call updates every parameter (a loop over them
+    took a third of the host's step time)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, foreach=True)
     warmup = max(1, steps // 20)
 
@@ -173,8 +166,7 @@ def build_optimizer(args, model, steps):
 
 # ---- the synthetic digits, a dataset in memory, the first weights ----------------------------------------------------
 def synthetic_digits(n, seed):
-    """Ten random stroke patterns, one per class, each shifted by up to 8 pixels on noise: (uint8 images, labels). A
-    fixed pixel template per class does poorly on them; a CNN learns them. Deterministic for (n, seed)."""
+    """Ten random stroke patterns, one per class, each shifted by up to 8 pixels on noise: (uint8 images, labels)."""
     g = torch.Generator().manual_seed(seed)
     glyphs = (torch.rand(10, 14, 14, generator=torch.Generator().manual_seed(0)) < 0.3).float()  # alike in both splits
     labels = torch.randint(0, 10, (n,), generator=g)
@@ -205,11 +197,9 @@ def initial_model(args):  # Its first weights come from --seed alone: the same o
 # ---- the loaders: DistributedSampler -> DataLoader -> MpDeviceLoader -------------------------------------------------
 def loader(run, data, order, drop_last=False):
     """The samples of `data` in the order given, in batches (whole batches only, with drop_last: one shape a step)."""
-    # InMemory's batches need no collating (nor those of a Subset of one, which passes its __getitems__ on).
-    whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None
+    whole = default_convert if isinstance(getattr(data, "dataset", data), InMemory) else None  # (batched already)
     # Workers leave a stop signal to their replica, which saves, then ends them. They are forked: in xmp.spawn's
-    # processes Python's default is to spawn them (measured), and each would import this file anew (7 CPU-s). Their own
-    # generator seeds them, as the global RNG is initial_model's.
+    # processes Python would spawn them, each importing this file anew (7 CPU-s).
     return DataLoader(
         data,
         run.load_batch,
@@ -225,7 +215,7 @@ def loader(run, data, order, drop_last=False):
 
 def on_device(run, batches, stop=None):
     """The first `stop` batches on the device, as {"input", "label"(, "valid")}. MpDeviceLoader copies the next while a
-    step runs, and cuts the step's graph as it hands one out. Under SPMD it splits each along the batch axis."""
+    step runs, and cuts the step's graph as it hands one out. Under SPMD it shards each along the batch axis."""
     batches = (dict(zip(("input", "label", "valid"), b, strict=False)) for b in itertools.islice(batches, stop))
     spec = None
     if run.mesh is not None:  # The first batch tells each field's axes (docs: perf/spmd_advanced).
@@ -261,9 +251,8 @@ TestResult = collections.namedtuple("TestResult", "loss accuracy samples")
 
 
 def evaluate(run):
-    """The test loss and accuracy (%), each sample counted once (padding marked invalid). The sums stay on the device
-    until one all-reduce. BatchNorm's running statistics, which drift apart on each replica, are the master's, as DDP's
-    broadcast_buffers makes them: averaged, they would change the master's at a stop's save (no exact resume)."""
+    """The test loss and accuracy (%), each sample counted once, summed on the device until one all-reduce. BatchNorm's
+    statistics, which drift apart on each replica, are the master's, as DDP's broadcast_buffers makes them."""
     broadcast(run, run.model.buffers())
     run.model.eval()
     totals = torch.zeros(3, device=run.device)  # the loss summed, the hits, the samples
@@ -295,16 +284,14 @@ def broadcast(run, tensors):
 
 
 # ---- a replica's run -------------------------------------------------------------------------------------------------
-# A preemption sends SIGTERM to every process of the VM. A replica in the launcher's process (--cores 1, --spmd) hears
-# of it from main()'s handler. In replica processes XLA's coordination service takes it, and names one step at which
-# every process of the slice stops. They join the service as torch_xla's own CheckpointManager does, through the same
-# private torch_xla._XLAC calls (torch_xla/experimental/distributed_checkpoint/manager.py; 2.9 has no public API).
+# A preemption sends SIGTERM to every process of the VM. In replica processes XLA's coordination service takes it, and
+# names one step at which every process of the slice stops. They join it as torch_xla's CheckpointManager does, through
+# the same private torch_xla._XLAC calls (torch_xla/experimental/distributed_checkpoint/manager.py: no public API).
 STOP = types.SimpleNamespace(signum=0, joined=False, lock=threading.Lock(), highest=0, step=None)  # this process's
 
 
 def start_replica(args):
-    """Starts this replica's runtime, and returns its state, `run` (under SPMD, the one process's): here its place in
-    the run; train() adds its model and data (model, test, steps, optimizer, schedule) and what it has done."""
+    """Starts this replica's runtime (under SPMD, the one process's), and returns its state: its place in the run."""
     if args.spmd:
         xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
     run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None)
@@ -319,9 +306,8 @@ def start_replica(args):
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # SPMD: one process loads it all.
     run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
-    # A replica process joins XLA's coordination service, once a process: process 0's host runs it. To the service
-    # an exit looks like a death, and when process 0 ends first the others abort: so it ends last, 3 s after its
-    # exit began (the others' exits take under 1 s here), and they end at once.
+    # Once a process (process 0 runs the service). An exit looks like a death to it, and when process 0 ends first the
+    # others abort: so it ends 3 s after its exit began (the others' take under 1 s here), and they at once.
     with STOP.lock:
         if run.service and not STOP.joined:
             process, count = xr.process_index(), xr.process_count()
@@ -376,10 +362,7 @@ WARMUP_STEPS = 2  # Each epoch's first steps compile or fill the pipeline, so sa
 
 def train_epoch(run, batches, epoch, skip):
     """The epoch's steps after the first `skip` (a resumed run has done those), then its evaluation and checkpoint.
-
-    After each step: a checkpoint at each --save-steps step, when the instruments ask, or at the step named for a stop,
-    and then the stop. A step's loss is read back at the next log boundary: that step has long finished, so no step
-    waits for the device."""
+    A step's loss is read back at the next log boundary: it has long finished then, so no step waits for the device."""
     run.unread, started = [], None  # [(step, its loss on the device, its lr)] of the boundaries; when timing began
     hook("epoch", run, epoch)
     step = skip  # Steps count from 1. If the loop runs none, `step` stays `skip`.
@@ -421,8 +404,7 @@ def train_epoch(run, batches, epoch, skip):
 
 
 def read_losses(run, epoch):
-    """Reads back the losses of the boundaries before, to their lines and the history, and frees them: live tensors
-    slow every graph cut a little more."""
+    """Reads back the losses of the boundaries before, and frees them: live tensors slow every graph cut a little."""
     while run.unread:
         step, tensor, lr = run.unread.pop(0)
         loss = float(tensor.cpu())
@@ -471,12 +453,10 @@ def say(run, line):  # The master prints, and keeps the line in the run's log.tx
             f.write(line + "\n")
 
 
-# ---- checkpoints: one dict, two formats, in a folder on this machine or in a Cloud Storage bucket --------------------
-# One dict, named checkpoint-EEEE-SSSSSSSSS by its position (the epoch to train next, the samples of it done). A replica
-# per device: the master writes NAME.pt (xm.save). SPMD: each device's shards go into NAME/ (DCP, docs:
-# perf/spmd_distributed_checkpoint). Each is written whole on this machine first, as NAME.tmp, then moved into place.
-# A spot TPU VM is deleted when preempted, its disk too: --out-dir gs://BUCKET/RUN keeps the run, through fsspec
-# (gcsfs); the logs are written here in runs/gs/BUCKET/RUN, as an object cannot be appended to.
+# ---- checkpoints: in a folder on this machine or in a Cloud Storage bucket -------------------------------------------
+# One dict, checkpoint-EEEE-SSSSSSSSS.pt by its position (the epoch to train next, the samples of it done), written
+# whole here first as NAME.tmp. A spot TPU VM is deleted when preempted, its disk too: --out-dir gs://BUCKET/RUN keeps
+# the run, through fsspec (gcsfs); the logs are written here in runs/gs/BUCKET/RUN (an object cannot be appended to).
 KEEP_CHECKPOINTS = 2  # The newest checkpoints stay in the run folder; older ones are deleted.
 
 
@@ -498,32 +478,20 @@ def save(run, *, next_epoch, steps_done, test=None):
         "rng": xm.get_rng_state(run.device),  # the seed of the next step's random ops, dropout's
     }
     out = run.args.out_dir
-    name = f"checkpoint-{next_epoch:04d}-{samples:09d}" + (".pt" if run.mesh is None else "")
-    path, written = f"{out}/{name}", os.path.join(local_folder(out), name + ".tmp")
-    if run.mesh is None:
+    path = f"{out}/checkpoint-{next_epoch:04d}-{samples:09d}"
+    if not hook("write", run, ckpt, path):  # (the instruments write SPMD's as a DCP folder, path/)
+        path += ".pt"
+        written = local_folder(path) + ".tmp"
         xm.save(ckpt, written, master_only=True, global_master=True)  # Each runs its steps; the master writes.
-    else:
-        shutil.rmtree(written, ignore_errors=True)
-        with warnings.catch_warnings():  # (not action=: Python 3.10, a TPU VM's, lacks it)
-            warnings.simplefilter("ignore")  # DCP's, that no process group is set: this process is the whole run
-            dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
-    # A kill mid-write, or before the move, leaves the last whole checkpoints. A bucket's object appears whole, and a
-    # DCP folder counts once its .metadata is in: it goes up after every shard (fsspec/asyn.py: put sends all at once).
-    if run.master:
-        fs = store(out)
-        if "://" not in out:
-            shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
-            os.replace(written, path)
-        elif os.path.isdir(written):
-            shards = [n for n in os.listdir(written) if n != ".metadata"]
-            fs.put([f"{written}/{n}" for n in shards], [f"{path}/{n}" for n in shards])
-            fs.put_file(f"{written}/.metadata", f"{path}/.metadata")
-            shutil.rmtree(written)
-        else:
-            fs.put_file(written, path)
+        # A kill mid-write, or before the move, leaves the last whole checkpoints. A bucket's object appears whole.
+        if run.master and "://" in out:
+            store(out).put_file(written, path)
             os.remove(written)
+        elif run.master:
+            os.replace(written, path)
+    if run.master:
         for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
-            fs.rm(old, recursive=True)
+            store(out).rm(old, recursive=True)
     hook("saved", run)
     return path
 
@@ -537,8 +505,8 @@ def local_folder(out_dir):  # where this machine writes the run's logs, and each
 
 
 def checkpoints(folder):
-    """A run folder's whole checkpoints, the newest last: no *.tmp, no DCP folder without its .metadata (written last).
-    Newest by the store's write time, not by name: a run resumed from an older checkpoint goes on in the same folder."""
+    """A run folder's whole checkpoints (no *.tmp, no DCP folder without its .metadata), the newest written last: a run
+    resumed from an older checkpoint goes on in the same folder."""
     fs = store(folder)
     written = {}
     for name in [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]:
@@ -564,26 +532,11 @@ def find_checkpoint(path):  # What --resume PATH names: a checkpoint, or the new
 
 
 def load_checkpoint(path):
-    """Reads a checkpoint in either format as the one dict that torch.load gives for a file."""
-    fs = store(path)
-    try:
-        if fs.isdir(path):
-            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # (DCP's notices)
-                if "://" in path:  # (a bucket's, fetched first)
-                    fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
-                dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
-                ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
-            # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
-            ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
-        else:
-            with fs.open(path, "rb") as f:
-                ckpt = torch.load(f, map_location="cpu", weights_only=True)
-        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings", "rng"} <= ckpt.keys():
-            raise KeyError("not the keys of a train_tpu.py checkpoint")
-    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
-        why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
-        raise Exit(2, f"error: checkpoint {path}: {why}") from e
+    """Reads a checkpoint as the dict it saved (the instruments also read SPMD's DCP folder, and check it)."""
+    ckpt = hook("read", path)
+    if ckpt is None:
+        with store(path).open(path, "rb") as f:
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
     return ckpt
 
 
@@ -637,11 +590,7 @@ def main(argv=None):
             why = f"{type(XLA_IMPORT_ERROR).__name__}: {str(XLA_IMPORT_ERROR).strip().splitlines()[0]}"
             raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
         hook("prepare", args)
-        try:  # Once, before the replicas start: they never race to download it, and a missing one is one line here.
-            dataset(args, train=True), dataset(args, train=False)
-        except Exception as e:
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {why}") from e
+        dataset(args, train=True)  # Here, before the replicas start, so that they never race to download it.
         resumed = os.path.dirname(args.resume) if args.resume else None
         args.out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(local_folder(args.out_dir), exist_ok=True)
@@ -662,32 +611,21 @@ def main(argv=None):
 
 
 def launch(args):
-    """Runs the replicas (docs: learn/pjrt): a process per TPU chip, or one in this process (--cores 1), through
-    xmp.spawn; or under SPMD this process, over every device."""
-    if args.spmd and args.cores and os.environ.get("PJRT_DEVICE") == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
+    """Runs the replicas (docs: learn/pjrt) through xmp.spawn: a process per TPU chip, or one in this process (--cores
+    1); or under SPMD this process, over every device."""
     # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.cpp), alike on every host.
     args.coordinator_port = args.coordinator_port or 8547
-    # A stop signal: a replica in this process stops at its next step. Replica processes stop at the step that their
-    # service names once it takes a SIGTERM: this process passes one on to them, as a container's first process
-    # (GKE's) may be the only one to get it. Either way this process ends after them, with their exit. (Python takes
-    # signals in the main thread only; a run before this one, in a notebook, may have stopped.)
-    STOP.signum = 0
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM)
-    if main_thread and (args.spmd or args.cores == 1):
+    # SIGTERM: a replica in this process stops at its next step. Replica processes stop at the step their service names:
+    # this process passes it on, as a container's first process (GKE's) may be the only one to get it.
+    if args.spmd or args.cores == 1:
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
-    elif main_thread:
+    else:
         signal.signal(signal.SIGTERM, pass_on)
-    try:
-        with hook("launch", args) or contextlib.nullcontext():
-            if args.spmd:
-                train(0, args)
-            else:  # nprocs=1: the one replica, in this process; None: a process per TPU chip
-                xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
-    finally:
-        if main_thread and previous is not None:
-            signal.signal(signal.SIGTERM, previous)  # (a notebook's kernel takes it as before)
+    with hook("launch", args) or contextlib.nullcontext():
+        if args.spmd:
+            train(0, args)
+        else:  # nprocs=1: the one replica, in this process; None: a process per TPU chip
+            xmp.spawn(train, args=(args,), nprocs=1 if args.cores == 1 else None)
 
 
 def pass_on(signum, frame):
@@ -715,13 +653,18 @@ import hashlib
 import inspect
 import json
 import pickle
+import shutil
 import socket
 import sysconfig
+import tempfile
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import default_collate
 
 with contextlib.suppress(Exception):  # (main() says in one line that torch_xla failed to import)
     import torch_xla.debug.metrics as met
+    import torch_xla.experimental.distributed_checkpoint as xc
     from torch_xla._internal import pjrt
 
 # A replica process leaves stop signals to its launcher (Control), which passes them on as SIGTERM to XLA's
@@ -786,6 +729,8 @@ def check_flags(p, args):
 def prepare(args):
     """Refuses what it can before any device starts, as xmp.spawn cannot start once one has."""
     kind, host, hosts, cores = check_environment(args)
+    if args.spmd and args.cores and kind == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
     if args.out_dir is None and hosts > 1 and args.resume is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
     out_dir = args.out_dir or args.resume
@@ -822,6 +767,10 @@ def prepare(args):
         with socket.socket() as s:  # (gRPC shares a busy port silently: SO_REUSEPORT)
             s.bind(("localhost", 0))
             args.coordinator_port = s.getsockname()[1]
+    try:  # a missing dataset, in one line
+        dataset(args, train=True), dataset(args, train=False)
+    except Exception as e:
+        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     LAUNCHER.update(kind=kind, host=host, hosts=hosts, prepared=time.time())
 
 
@@ -977,6 +926,57 @@ def stopping(run, signum):  # The stop's signal: the launcher's own, which it pa
     if run.service:
         return run.control.stop_signal() or signum
     return max(signum, run.control.stop_signal())  # SIGTERM, if it came with a SIGHUP taken first (on_signal)
+
+
+# ---- SPMD's checkpoints: a DCP folder of each device's shards and a .metadata (docs: perf/spmd_distributed_checkpoint)
+def write_dcp(run, ckpt, path):  # Under SPMD: written whole here first, as path.tmp/, then moved into place.
+    if run.mesh is None:
+        return False
+    written = local_folder(path) + ".tmp"
+    shutil.rmtree(written, ignore_errors=True)
+    with warnings.catch_warnings():  # (not action=: Python 3.10, a TPU VM's, lacks it)
+        warnings.simplefilter("ignore")  # DCP's, that no process group is set: this process is the whole run
+        dcp.save(ckpt, storage_writer=dcp.FileSystemWriter(written), planner=xc.SPMDSavePlanner())
+    # A DCP folder counts once its .metadata is in: it goes up after every shard (fsspec/asyn.py: put sends at once).
+    if "://" not in path:
+        shutil.rmtree(path, ignore_errors=True)  # os.replace cannot replace a folder that is not empty.
+        os.replace(written, path)
+    else:
+        shards = [n for n in os.listdir(written) if n != ".metadata"]
+        store(path).put([f"{written}/{n}" for n in shards], [f"{path}/{n}" for n in shards])
+        store(path).put_file(f"{written}/.metadata", f"{path}/.metadata")
+        shutil.rmtree(written)
+    return True
+
+
+def read_checkpoint(path):
+    """Reads a checkpoint in either format as the one dict that torch.load gives for a file; exits 2 in one line if it
+    is not a whole train_tpu.py checkpoint."""
+    fs = store(path)
+    try:
+        if fs.isdir(path):
+            ckpt = read_dcp(fs, path)
+        else:
+            with fs.open(path, "rb") as f:
+                ckpt = torch.load(f, map_location="cpu", weights_only=True)
+        if not {"model", "optimizer", "epoch", "samples", "history", "epochs", "settings", "rng"} <= ckpt.keys():
+            raise KeyError("not the keys of a train_tpu.py checkpoint")
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
+        why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
+        raise Exit(2, f"error: checkpoint {path}: {why}") from e
+    return ckpt
+
+
+def read_dcp(fs, path):
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (DCP's notices)
+        if "://" in path:  # (a bucket's, fetched first)
+            fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
+        dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
+        ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
+    # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
+    ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
+    return ckpt
 
 
 def converted(run, ckpt, done):
@@ -1752,11 +1752,13 @@ FIT = types.SimpleNamespace(running=False, end=None)  # fit(): whether it runs m
 def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict; never ends the process."""
-    FIT.running, FIT.end = True, None
+    FIT.running, FIT.end, STOP.signum = True, None, 0  # (a run before this one may have stopped)
+    previous = signal.getsignal(signal.SIGTERM)  # The run sets its own: the caller's takes it as before.
     try:
         main(argv)
     finally:
         FIT.running = False
+        signal.signal(signal.SIGTERM, previous)
     args, code, line = FIT.end
     if code not in (0, 5):  # (0: the smoke deadline passed after a PASS verdict, or a success)
         raise Exit(code, line)
@@ -1787,7 +1789,7 @@ def this_process_control():
 HOOKS.update(flags=add_flags, parsed=check_flags, prepare=prepare, launch=launching, ended=ended, bug=bug_line)
 HOOKS.update(replica=watched, started=started, data=smoke_data, before_training=before_training, finish=finish)
 HOOKS.update(epoch=start_epoch, save_now=on_time, logged=log_scalars, epoch_done=count_epoch, saved=saved)
-HOOKS.update(stopping=stopping, resumed=converted)
+HOOKS.update(stopping=stopping, resumed=converted, write=write_dcp, read=read_checkpoint)
 HOOKS["training"] = lambda run: run.control.set_stage(run.rank, "training")  # A stop signal now asks for a checkpoint.
 # ==== end of the instruments =========================================================================================
 if __name__ == "__main__":
