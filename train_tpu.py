@@ -520,12 +520,9 @@ def checkpoints(folder):
 def find_checkpoint(path):  # What --resume PATH names: a checkpoint, or the newest in a run folder.
     path = path.rstrip("/") or path  # (as a shell completes a folder: its parent is the run folder)
     fs = store(path)
-    try:
-        if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
-            return path
-        found = checkpoints(path) if fs.isdir(path) else []
-    except Exception as e:  # gcsfs's: no credentials, say
-        raise Exit(2, f"error: --resume {path}: {type(e).__name__}: {str(e).strip()}") from e
+    if fs.isfile(path) or fs.exists(f"{path}/.metadata"):
+        return path
+    found = checkpoints(path) if fs.isdir(path) else []
     if not found:
         raise Exit(2, f"error: --resume {path}: no checkpoint there")
     return found[-1]
@@ -714,11 +711,18 @@ RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). N
 def check_flags(p, args):
     if args.smoke and args.resume:
         p.error("--smoke checks a fresh run: leave out --resume")
-    for path in (args.out_dir, args.resume):
+    for flag, path in (("--out-dir", args.out_dir), ("--resume", args.resume)):
         try:  # (gcsfs, for gs://: fsspec's message names the package)
-            store(path or ".")
+            fs = store(path or ".")
         except ImportError as e:
             raise Exit(2, f"error: {path}: {first_line(e)}") from e
+        if path and "://" in path:
+            try:
+                there = fs.exists(fs._strip_protocol(path).split("/")[0])
+            except Exception as e:  # gcsfs's: no credentials, say
+                raise Exit(2, f"error: {flag} {path}: {type(e).__name__}: {first_line(e)}") from e
+            if not there:
+                raise Exit(2, f"error: {flag} {path}: no such bucket, or no access to it")
     for names, rule, ok in RANGES:
         for name in names:
             value = getattr(args, name)
@@ -733,15 +737,6 @@ def prepare(args):
         os.environ["CPU_NUM_DEVICES"] = str(args.cores)  # The CPU runtime emulates that many devices.
     if args.out_dir is None and hosts > 1 and args.resume is None:
         raise Exit(2, "error: --out-dir is needed on a pod slice: a folder that every host can read")
-    out_dir = args.out_dir or args.resume
-    if out_dir and "://" in out_dir:
-        try:
-            fs = store(out_dir)
-            there = fs.exists(fs._strip_protocol(out_dir).split("/")[0])
-        except Exception as e:  # gcsfs's: no credentials, say
-            raise Exit(2, f"error: --out-dir {out_dir}: {type(e).__name__}: {first_line(e)}") from e
-        if not there:
-            raise Exit(2, f"error: --out-dir {out_dir}: no such bucket, or no access to it")
     model = initial_model(args)  # Layerdrop needs two hooks of the model's: a depth, and a forward that takes coins.
     hooks = hasattr(model, "depth") and "keep" in inspect.signature(model.forward).parameters
     if args.layerdrop != "off" and not hooks:
