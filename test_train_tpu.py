@@ -1777,8 +1777,9 @@ def test_a_checkpoint_of_another_model_exits_2_in_one_line_whatever_the_message(
         tt.resume(run)
 
 
-def test_a_stops_checkpoint_is_checked_on_resume_by_one_test_batchs_logits_against_eager_pytorch():
-    """A stop saves no test loss; a checkpoint that converts wrongly must still fail (exit 4). TPU: not run here."""
+def test_a_stops_checkpoint_is_checked_on_resume_by_one_test_batchs_logits_against_eager_pytorch(monkeypatch):
+    """A stop saves no test loss; a checkpoint that converts wrongly must still fail (exit 4), and one of a model with
+    Dropout passes, both sides evaluating. TPU: not run here."""
     torch.manual_seed(0)
     saved = tt.ToyModel().state_dict()
     ckpt = dict(test_loss=None, model=saved, device="CPU", settings={})
@@ -1791,6 +1792,10 @@ def test_a_stops_checkpoint_is_checked_on_resume_by_one_test_batchs_logits_again
         run.model.fc1.weight.copy_(run.model.fc1.weight.roll(1, 1))  # weights shifted by a column: a wrong layout
     with pytest.raises(tt.Exit, match=r"^failed: resume check: c.pt computes other logits here than in eager PyTorch"):
         tt.verify(run, "c.pt", ckpt)
+    monkeypatch.setattr(tt, "build_model", lambda args: torch.nn.Sequential(tt.ToyModel(), torch.nn.Dropout(0.5)))
+    run.model = tt.initial_model(run.args)
+    ckpt["model"] = run.model.state_dict()
+    assert tt.verify(run, "c.pt", ckpt) is None and run.model.training  # and left training
 
 
 def test_the_verdict_combines_every_replicas_checks(monkeypatch, tmp_path, capsys):

@@ -306,8 +306,10 @@ def start_replica(args):
     run.global_batch = args.batch_size * run.devices
     run.load_batch = args.batch_size if run.mesh is None else run.global_batch  # SPMD: one process loads it all.
     run.service = not args.spmd and args.cores != 1  # a replica process, which a stop reaches through the service
-    # Once a process (process 0 runs the service). An exit looks like a death to it, and when process 0 ends first the
-    # others abort: so it ends 3 s after its exit began (the others' take under 1 s here), and they at once.
+    # Once a process. Process 0, worker 0's first (torch_xla/_internal/tpu.py configure_topology), runs the service;
+    # xr.get_master_ip() would name device 0's host, by a collective that v2/v3's second replica thread never joins.
+    # An exit looks like a death to the service, and when process 0 ends first the others abort: so it ends 3 s after
+    # its exit began (the others' take under 1 s here), and they at once.
     with STOP.lock:
         if run.service and not STOP.joined:
             process, count = xr.process_index(), xr.process_count()
@@ -610,7 +612,7 @@ def main(argv=None):
 def launch(args):
     """Runs the replicas (docs: learn/pjrt) through xmp.spawn: a process per TPU chip, or one in this process (--cores
     1); or under SPMD this process, over every device."""
-    # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.cpp), alike on every host.
+    # The service's port: torch_xla's default (csrc/runtime/xla_coordinator.h), alike on every host.
     args.coordinator_port = args.coordinator_port or 8547
     # SIGTERM: a replica in this process stops at its next step. Replica processes stop at the step their service names:
     # this process passes it on, as a container's first process (GKE's) may be the only one to get it.
@@ -647,6 +649,7 @@ class Exit(Exception):
 # ruff: noqa: E402 (the block's own imports are here, with it)
 import functools
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import pickle
@@ -657,7 +660,6 @@ import tempfile
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.utils.data import default_collate
 
 with contextlib.suppress(Exception):  # (main() says in one line that torch_xla failed to import)
     import torch_xla.debug.metrics as met
@@ -698,17 +700,15 @@ def flag_error(p, message):
     raise Exit(2, f"error: {message} (see --help)")
 
 
-RANGES = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
-    (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
-    (("coordinator_port",), ">= 1", lambda v: v >= 1),
-    (("seed", "max_recompiles", "target_accuracy", "workers", "save_minutes"), ">= 0", lambda v: v >= 0),
-    (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
-    (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
-    (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
-)
-
-
 def check_flags(p, args):
+    ranges = (  # The flags' allowed values: (flags, the rule in words, the test). NaN fails every test.
+        (("cores", "epochs", "batch_size", "steps_per_epoch", "log_steps", "save_steps"), ">= 1", lambda v: v >= 1),
+        (("coordinator_port",), ">= 1", lambda v: v >= 1),
+        (("seed", "max_recompiles", "target_accuracy", "workers", "save_minutes"), ">= 0", lambda v: v >= 0),
+        (("lr", "smoke_timeout"), "> 0", lambda v: v > 0),
+        (("momentum",), "in [0, 1)", lambda v: 0 <= v < 1),
+        (("layerdrop_prob",), "in [0, 1]", lambda v: 0 <= v <= 1),
+    )
     if args.smoke and args.resume:
         p.error("--smoke checks a fresh run: leave out --resume")
     for flag, path in (("--out-dir", args.out_dir), ("--resume", args.resume)):
@@ -723,7 +723,7 @@ def check_flags(p, args):
                 raise Exit(2, f"error: {flag} {path}: {type(e).__name__}: {first_line(e)}") from e
             if not there:
                 raise Exit(2, f"error: {flag} {path}: no such bucket, or no access to it")
-    for names, rule, ok in RANGES:
+    for names, rule, ok in ranges:
         for name in names:
             value = getattr(args, name)
             if value is not None and not ok(value):
@@ -742,7 +742,7 @@ def prepare(args):
     if args.layerdrop != "off" and not hooks:
         raise Exit(2, f"error: --layerdrop: {type(model).__name__} has no `depth` or takes no `keep`, as ToyModel has")
     if args.smoke:  # A model that cannot take the smoke's data would end it in a traceback that says nothing of the VM.
-        x = default_collate([smoke_shaped(model, dataset(args, train=False))[0]])[0]
+        x = torch.utils.data.default_collate([smoke_shaped(model, dataset(args, train=False))[0]])[0]
         try:
             with torch.no_grad():
                 model.eval()(model_input(x))
@@ -769,14 +769,9 @@ def prepare(args):
     LAUNCHER.update(kind=kind, host=host, hosts=hosts, prepared=time.time())
 
 
-LAUNCHER = {}  # this launcher's: the device kind, its host and the slice's hosts, and when the run was prepared
-
-
 def check_environment(args):
     """Returns (device kind, hosts, cores to train on). Nothing here starts the runtime."""
-    from importlib.metadata import version
-
-    xla = version("torch_xla")
+    xla = importlib.metadata.version("torch_xla")
     if xla.split(".")[:2] != torch.__version__.split(".")[:2]:  # torch_xla's C++ is built for one torch release.
         raise Exit(2, f"error: torch {torch.__version__} with torch_xla {xla}: install the pair requirements.txt pins")
     if downcast := [v for v in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16") if os.environ.get(v, "0") not in ("0", "false")]:
@@ -822,14 +817,20 @@ def this_host(kind):  # (this host's worker number, the slice's hosts): from the
 @contextlib.contextmanager
 def watched(index):
     """A replica's run (index: its global ordinal) under the launcher's watch: an error that may be its alone."""
-    control = this_process_control()
+    global CONTROL
+    with ONE_REPLICA_AT_A_TIME:  # (TPU v2/v3: two replica threads share the process's)
+        if CONTROL is None:  # a replica process: the launcher's copy
+            with open(os.path.join(os.environ["TRAIN_TPU_CONTROL"], "control.pkl"), "rb") as f:
+                CONTROL = pickle.load(f)
+    control = CONTROL
     try:
         yield
     except Exception as e:
         # An Exit 3, 5, 21 or a stop is agreed: every replica raises it at once. Any other error, or an Exit 2 or 4 (a
         # checkpoint only this one cannot read or compute), may be its alone, while the others wait for it: end them.
         if not control.in_process and (not isinstance(e, Exit) or e.code in (2, 4)):
-            control.fail_alone(index, e)
+            ended = e if isinstance(e, Exit) else Exit(1, f"replica {index}: {report_bug(e)}")  # a bug's, or its own
+            control.write(f"failed-{index}", [ended.code, ended.line, control.replicas().get(index, [0, "setup"])[1]])
         raise
     finally:
         if control.progress[index]:  # Its process may end now; one that ends before this died.
@@ -837,13 +838,13 @@ def watched(index):
 
 
 def started(run):  # once the replica's runtime started
-    control = run.control = this_process_control()
+    control = run.control = CONTROL  # (loaded by watched())
     run.kind, run.out_dir = xr.device_type(), run.args.out_dir
     run.checks, run.places, run.untrained, run.board = [], None, None, None  # --smoke's; TensorBoard's writer
     run.warm_compiles, run.recompiles, run.save_every, run.over = None, 0, None, None  # (over: past --max-recompiles)
     control.devices[run.rank] = xr.local_ordinal()  # (its chip on this host, from v4 on; on v2/v3 a core of one)
-    if run.service:
-        control.orphan_watch()
+    if run.service:  # Once the service takes SIGTERM, a replica process ends with its launcher.
+        threading.Thread(target=end_if_orphaned, name="train_tpu orphaned", daemon=True).start()
     control.set_stage(run.rank, "setup")  # The launcher now knows this replica's process, and that its runtime started.
 
 
@@ -889,10 +890,8 @@ def scalar(run, name, value, step):  # TensorBoard's x axis counts steps over ev
 
 
 def count_epoch(run, row):
-    """After the epoch's evaluation: its counters in its row and a line, and TensorBoard's scalars. Past
-    --max-recompiles, the run exits 3 once the epoch is saved (saved())."""
+    """After the epoch's evaluation: its counters (row, line, TensorBoard). Past --max-recompiles, exit 3 once saved."""
     epoch_seconds = time.perf_counter() - run.epoch_began
-    # warm_compiles is set at the end of the first epoch trained here, the warm-up.
     recompiles = 0 if run.warm_compiles is None else compiles()[0] - run.warm_compiles
     run.recompiles = int(agree(run, [recompiles])[0])  # the most of any replica, which --max-recompiles tests
     limit = run.args.max_recompiles
@@ -902,7 +901,6 @@ def count_epoch(run, row):
     if run.warm_compiles is None:
         run.warm_compiles = compiles()[0]  # counted after the first evaluation, whose graph is part of the warm-up
     total, seconds = compiles()
-    # This process's compiles, as the line says. run.recompiles, which --max-recompiles tests, is the most of any.
     row.update(compiles=total - run.compiles_at_start, recompiles=total - run.warm_compiles)
     row.update(fallback_ops=fallback_ops(), transfers=transfers() - run.transfers_at_start)
     counts = f"this epoch {row['compiles']} | recompiles after warm-up {row['recompiles']}"
@@ -945,12 +943,18 @@ def write_dcp(run, ckpt, path):  # Under SPMD: written whole here first, as path
 
 
 def read_checkpoint(path):
-    """Reads a checkpoint in either format as the one dict that torch.load gives for a file; exits 2 in one line if it
-    is not a whole train_tpu.py checkpoint."""
+    """Reads either format as the dict torch.load gives for a file; exits 2 in one line if not a whole checkpoint."""
     fs = store(path)
     try:
         if fs.isdir(path):
-            ckpt = read_dcp(fs, path)
+            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (DCP's notices)
+                if "://" in path:  # (a bucket's, fetched first)
+                    fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
+                dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
+                ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
+            # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
+            ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
         else:
             with fs.open(path, "rb") as f:
                 ckpt = torch.load(f, map_location="cpu", weights_only=True)
@@ -959,18 +963,6 @@ def read_checkpoint(path):
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException.
         why = f"cannot read it ({type(e).__name__}): truncated, damaged, or not a train_tpu.py checkpoint"
         raise Exit(2, f"error: checkpoint {path}: {why}") from e
-    return ckpt
-
-
-def read_dcp(fs, path):
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (DCP's notices)
-        if "://" in path:  # (a bucket's, fetched first)
-            fs.get(f"{path}/", f"{tmp}/dcp/", recursive=True)
-        dcp_to_torch_save(f"{tmp}/dcp" if "://" in path else path, f"{tmp}/c.pt")
-        ckpt = torch.load(f"{tmp}/c.pt", weights_only=True)
-    # DCP keys the optimizer state by strings, and load_state_dict would then silently drop the momentum.
-    ckpt["optimizer"]["state"] = {int(k): v for k, v in ckpt["optimizer"]["state"].items()}
     return ckpt
 
 
@@ -1039,7 +1031,7 @@ def verify(run, path, ckpt):
     saved = ckpt["test_loss"]
     if saved is None:
         x = model_input(first_batch(run)[0])
-        eager = initial_model(run.args)
+        eager = initial_model(run.args).eval()  # (dropout off on both sides)
         eager.load_state_dict(ckpt["model"])
         run.model.eval()
         with torch.no_grad():
@@ -1082,6 +1074,9 @@ STOP_GRACE = 25  # Seconds from a SIGTERM to a forced exit: a preempted TPU VM h
 # host, and still ends a slice within 150 s of a lost host. (JAX's default is 100. At 55, two replica processes ran
 # 288 s beside 8 busy processes on this machine's 2 cores, and no beat came 5 s late.)
 HEARTBEAT = 110
+LAUNCHER = {}  # this launcher's: the device kind, its host and the slice's hosts, and when the run was prepared
+FIT = types.SimpleNamespace(running=False, end=None)  # fit(): whether it runs main(), and how main() ended
+CONTROL = None  # this process's Control: the launcher's own, or in a replica process its copy (watched())
 
 
 class Control:
@@ -1105,7 +1100,7 @@ class Control:
         self.grace_ends = math.inf  # when a stop signal's grace is over
         self.lock = threading.Lock()
         self.verdict = None  # the Exit of a smoke verdict the launcher wrote
-        self.launched, self.closed, self.orphans_watched = time.time(), False, False
+        self.launched, self.closed = time.time(), False
         self.woken = threading.Event()  # set by a signal: the watch answers at once
 
     def __getstate__(self):  # What xmp.spawn pickles for a replica process: the folder, not the launcher's state.
@@ -1113,7 +1108,7 @@ class Control:
         return {name: getattr(self, name) for name in keep} | dict(progress=collections.Counter(), devices={})
 
     def __setstate__(self, state):
-        self.__dict__.update(state, lock=threading.Lock(), orphans_watched=False)  # one a replica process
+        self.__dict__.update(state, lock=threading.Lock())  # one a replica process
 
     def write(self, name, value):
         write_json(os.path.join(self.folder, name), value)
@@ -1128,22 +1123,12 @@ class Control:
         return dict(sorted(ranks.items()))
 
     # The replicas' side.
-    def orphan_watch(self):  # once a replica process: once the service takes SIGTERM, it ends with its launcher
-        with self.lock:
-            if not self.orphans_watched:
-                threading.Thread(target=end_if_orphaned, name="train_tpu orphaned", daemon=True).start()
-                self.orphans_watched = True
-
     def stop_signal(self):  # the number of the signal the launcher took, or 0
         return STOP.signum or self.read("stop").get("stop", 0)
 
     def set_stage(self, rank, stage):  # The launcher learns its process, device and how far it got.
         self.progress[rank] += 1
         self.write(f"replica-{rank}", [os.getpid(), stage, self.progress[rank], self.devices.get(rank)])
-
-    def fail_alone(self, rank, e):  # The launcher ends the run with this Exit, a bug's or this replica's own.
-        ended = e if isinstance(e, Exit) else Exit(1, f"replica {rank}: {report_bug(e)}")
-        self.write(f"failed-{rank}", [ended.code, ended.line, self.replicas().get(rank, [0, "setup"])[1]])
 
     # The launcher's side.
     def __enter__(self):
@@ -1183,9 +1168,7 @@ class Control:
         first, at = self.signalled
         if {first, signum} == {signal.SIGTERM, signal.SIGHUP} and time.monotonic() - at < 5:
             if signum == signal.SIGTERM:  # Python runs SIGHUP's handler first when both wait: the stop is SIGTERM's.
-                STOP.signum = signum
-                self.write("stop", signum)
-                self.start_grace(signum)
+                self.ask_stop(signum)
             return  # A shutdown's SIGTERM and an ssh session's SIGHUP: one preemption, not a second signal.
         self.signalled = (signum, time.monotonic())
         stages = {stage for _, stage, *_ in self.replicas().values()}
@@ -1194,18 +1177,18 @@ class Control:
         elif stages <= {"setup", "devices"}:  # Every replica is before training, or none has started: nothing to save.
             self.end(self.conclude(Exit(128 + signum, f"stopped by {name} before training began: nothing to save")))
         else:
-            STOP.signum = signum
-            self.write("stop", signum)
+            self.ask_stop(signum)
             for child in self.children():  # Their coordination service takes it: one step, on every host.
                 os.kill(child.pid, signal.SIGTERM)
-            if signum == signal.SIGTERM:
-                self.start_grace(signum)
 
-    def start_grace(self, signum):  # A preemption's SIGTERM has a deadline: a step that outlasts it ends the run.
-        why = f"a step (or its compilation) takes longer than the {STOP_GRACE} s grace: nothing saved"
-        self.grace_over = Exit(128 + signum, f"stopped by {signal.Signals(signum).name}: {why}")
-        self.grace_ends = time.monotonic() + STOP_GRACE
-        self.woken.set()
+    def ask_stop(self, signum):  # A preemption's SIGTERM has a deadline: a step that outlasts it ends the run.
+        STOP.signum = signum
+        self.write("stop", signum)
+        if signum == signal.SIGTERM:
+            why = f"a step (or its compilation) takes longer than the {STOP_GRACE} s grace: nothing saved"
+            self.grace_over = Exit(128 + signum, f"stopped by {signal.Signals(signum).name}: {why}")
+            self.grace_ends = time.monotonic() + STOP_GRACE
+            self.woken.set()
 
     def watch(self):
         """Every half second: ends the run if a replica process died (xmp.spawn's pool can miss one in Python 3.11) or
@@ -1285,9 +1268,23 @@ class Control:
     def conclude(self, ended, stage=None):
         """The run's end, from what this launcher found. On a slice the first host's end is the run's, as the hosts
         note theirs in the run folder. With --smoke and a stage, a verdict: the checks done, then a FAIL row."""
-        first = True
-        if self.hosts > 1:
-            ended, stage, first = self.first_end(ended, stage)
+        first = True  # whether the run's end is this host's
+        if self.hosts > 1:  # This host's end, named, in OUT/ended-host-K; then the first of this launch's.
+            prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
+            line = f"{prefix}host {self.host} ({os.uname().nodename}): {ended.line.removeprefix(prefix)}"
+            mine = f"{self.out_dir}/ended-host-{self.host}"
+            write_json(mine, dict(code=ended.code, line=line, stage=stage))
+            time.sleep(1)  # Another host may end at the same moment: the earlier end is the run's, on every host.
+            fs = store(self.out_dir)  # Its times are the store's clock: a bucket's, or the shared folder's.
+            ends = [(fs.modified(mine).timestamp(), False, read_json(mine))]  # this host's, whatever the clocks say
+            for name in [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.out_dir, detail=False)]:
+                path = f"{self.out_dir}/{name}"
+                with contextlib.suppress(OSError, ValueError):  # another host's, of this launch
+                    written = fs.modified(path).timestamp() if name.startswith("ended-host-") else 0
+                    if path != mine and written >= self.launched - 1:
+                        ends.append((written, True, read_json(path)))
+            _, theirs, end = min(ends, key=lambda e: e[:2])
+            ended, stage, first = Exit(end["code"], end["line"]), end["stage"], not theirs
         if not (self.args.smoke and stage):
             return ended
         with self.lock:  # The watch and exit_for() may both be here: one verdict.
@@ -1300,24 +1297,6 @@ class Control:
                     publish(self.out_dir, [*checks, dict(name=stage, passed=False, figure=figure)])
                 self.verdict = Exit(5, f"failed: smoke verdict FAIL: {stage}: {figure}")
             return self.verdict
-
-    def first_end(self, ended, stage):
-        """This host's end, named, in OUT/ended-host-K; then the first of this launch's: (Exit, stage, whether ours)."""
-        prefix = next((p for p in ("failed: ", "error: ") if ended.line.startswith(p)), "")
-        line = f"{prefix}host {self.host} ({os.uname().nodename}): {ended.line.removeprefix(prefix)}"
-        mine = f"{self.out_dir}/ended-host-{self.host}"
-        write_json(mine, dict(code=ended.code, line=line, stage=stage))
-        time.sleep(1)  # Another host may end at the same moment: the earlier end is the run's, on every host.
-        fs = store(self.out_dir)  # Its times are the store's clock: a bucket's, or the shared folder's.
-        ends = [(fs.modified(mine).timestamp(), False, read_json(mine))]  # this host's, whatever the clocks say
-        for name in [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.out_dir, detail=False)]:
-            path = f"{self.out_dir}/{name}"
-            with contextlib.suppress(OSError, ValueError):  # another host's, of this launch
-                written = fs.modified(path).timestamp() if name.startswith("ended-host-") else 0
-                if path != mine and written >= self.launched - 1:
-                    ends.append((written, True, read_json(path)))
-        _, theirs, end = min(ends, key=lambda e: e[:2])
-        return Exit(end["code"], end["line"]), end["stage"], not theirs
 
     def exit_for(self, e, kind):  # The Exit for what xmp.spawn raised, or e (an Exit agreed, a bug in the only replica)
         if self.ended is None and (found := self.why_replicas_ended()):  # xmp.spawn raised before the watch looked.
@@ -1380,14 +1359,12 @@ def smoke_verdict(run):  # The checks after training. One FAILs if it failed on 
     run.control.set_stage(run.rank, "done")  # The verdict is agreed: the launcher's is no longer needed.
     if run.master:
         publish(run.out_dir, run.checks)
-    failed = [c["name"] for c in run.checks if c["passed"] is False]
-    if failed:
+    if failed := [c["name"] for c in run.checks if c["passed"] is False]:
         raise Exit(5, f"failed: smoke verdict FAIL: {', '.join(failed)}")
 
 
 def smoke_shaped(model, data):
-    """--smoke's synthetic digits, repeated over as many channels as your model's first convolution takes (3, say, for
-    a model of colour images). Your own data is read as it is."""
+    """--smoke's digits over as many channels as your model's first convolution takes (3: colour); yours as they are."""
     conv = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
     if getattr(data, "smoke_target", None) is None or conv is None or conv.in_channels == data.tensors[0].shape[1]:
         return data
@@ -1473,9 +1450,7 @@ def likely_cause(args, state, x):
     """What makes XLA's result differ from eager PyTorch's, where known: a BatchNorm channel whose mean is large against
     its spread (XLA computes the variance in one pass, E[x²] - E[x]², which cancels: tensorflow/tensorflow#118701), or
     ties in max-pooling (flat regions: the gradient goes to another of equal inputs)."""
-    model = initial_model(args).double()
-    model.load_state_dict(state)
-    one_function(model)
+    model = one_function(initial_model(args).double(), state)
     ratios = [0.0]
 
     def measure(module, inputs):  # each channel's |mean| / std over the batch and the pixels
@@ -1538,8 +1513,7 @@ def check_collectives(run):
     for bit against what they should give (exact in any order of the sum: see collective_values)."""
     if run.world == 1:
         return None, "one replica (under SPMD, one program over every device): no collective to check"
-    # Per replica, size and operation: 0 if its result is right, else 1 (+ for an all-gather, the part's source).
-    found = torch.zeros(run.world, 3 * len(SIZES))
+    found = torch.zeros(run.world, 3 * len(SIZES))  # per replica, size and operation: 0 if its result is right
     for k, n in enumerate(SIZES):
         sent = collective_values(run.world, n)
         mine = sent[run.rank].to(run.device)
@@ -1601,9 +1575,7 @@ def check_replicas(run):
 def first_step(args, state, x, y, device, dtype=torch.float32):
     """One step from `state` (forward and backward, no update) on the host or the device: the traced program's hash, and
     [the logits, the loss, the gradients] read back to the host."""
-    model = initial_model(args).to(device, dtype)
-    model.load_state_dict(state)
-    one_function(model)
+    model = one_function(initial_model(args).to(device, dtype), state)
     x = model_input(x.to(device))
     with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):  # (float64 never autocasts)
         logits = model(x.to(dtype) if x.is_floating_point() else x)
@@ -1616,13 +1588,15 @@ def first_step(args, state, x, y, device, dtype=torch.float32):
     return program, list(values.split([tensors[0].numel(), 1, len(grads)]))
 
 
-def one_function(model):
+def one_function(model, state):
     """For the checks that compare two computations: eval() turns dropout off, but BatchNorm keeps to the batch's own
     statistics (every side has the same batch), as torch_xla cannot differentiate its eval mode (pytorch/xla#3361)."""
+    model.load_state_dict(state)
     model.eval()
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):  # (the base of torch's BatchNorm layers)
             m.train()
+    return model
 
 
 def place(run, rank):  # a replica's number, and on a slice its host and device there
@@ -1673,8 +1647,7 @@ def report_bug(e):  # A replica's bug, say in your model: its traceback, then it
 
 
 def bug_line(e):
-    """The line for an unexpected exception: its first line, and where it was raised in your code or this file (a
-    library's frames are left out)."""
+    """An unexpected exception's line: its first line, and where your code or this file raised it (not a library)."""
     libraries = tuple(sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib"))
     ours = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libraries)]
     where = f"at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}; " if ours else ""
@@ -1741,9 +1714,6 @@ def log_scalars(run, row):  # a logged step's, in TensorBoard
     scalar(run, "train/lr", row["lr"], row["step"])
 
 
-FIT = types.SimpleNamespace(running=False, end=None)  # fit(): whether it runs main(), and how main() ended
-
-
 def fit(*argv):
     """The command line as a call: fit("--cores", 1, "--smoke") returns the last checkpoint's model (host; or None),
     history, epochs and verdict. It raises Exit where main() fails, but for a verdict; never ends the process."""
@@ -1767,18 +1737,6 @@ def fit(*argv):
     if args.smoke:
         r.verdict = read_json(os.path.join(local_folder(args.out_dir), "verdict.json"))
     return r
-
-
-CONTROL = None  # this process's Control: the launcher's own, or in a replica process its copy
-
-
-def this_process_control():
-    global CONTROL
-    with ONE_REPLICA_AT_A_TIME:  # (TPU v2/v3: two replica threads share the process's)
-        if CONTROL is None:  # a replica process: the launcher's copy
-            with open(os.path.join(os.environ["TRAIN_TPU_CONTROL"], "control.pkl"), "rb") as f:
-                CONTROL = pickle.load(f)
-        return CONTROL
 
 
 HOOKS.update(flags=add_flags, parsed=check_flags, prepare=prepare, launch=launching, ended=ended, bug=bug_line)
