@@ -390,7 +390,9 @@ def mine(root):
     stop = world(folder, "processes", *run, patch=SLOW_EPOCH_2, when="epoch 2 step 1/", module="mine")
     saved = tt.load_checkpoint(tt.find_checkpoint(str(folder / "stop")))  # (before the resume's saves replace it)
     resumed = world(folder, "processes", "--resume", "stop", "--coordinator-port", free_port(), module="mine")
-    return one, stop, saved, resumed
+    spmd = [*("--spmd", "--data", "synthetic", "--epochs", 1, "--steps-per-epoch", 5, "--out-dir", "spmd")]
+    spmd = cli(*spmd, cwd=folder, file=folder / "mine.py", CPU_NUM_DEVICES=2)  # (the block sets it from --cores)
+    return one, stop, saved, resumed, spmd
 
 
 def orphans(root):
@@ -2928,7 +2930,7 @@ def test_the_trainer_alone_trains_and_in_replica_processes_stops_at_one_step_on_
     """The file without its instruments' block: a trainer that calls nothing in it. It trains with --cores 1. In two
     replica processes that started libtpu, SIGTERM to the group mid epoch 2 stops both at one step, which the
     coordination service names; the master saves there, the launcher exits 143, and --resume ends as eager PyTorch."""
-    one, (code, out, err, left, _), saved, resumed = runs["mine"]
+    one, (code, out, err, left, _), saved, resumed, spmd = runs["mine"]
     folder = runs["root"] / "mine"
     source = (folder / "mine.py").read_text()
     assert "\n# ==== " not in source and "def check_numerics" not in source and "def fit(" not in source
@@ -2954,6 +2956,9 @@ def test_the_trainer_alone_trains_and_in_replica_processes_stops_at_one_step_on_
     same_weights(saved, model, optimizer)
     assert [h["loss"] for h in saved["history"]] == pytest.approx(losses, abs=1e-5)  # each step once, replica 0's
     assert [h["lr"] for h in saved["history"]] == pytest.approx(lrs, rel=1e-9)  # each step's own, not the next's
+    assert "2 devices, SPMD | global batch 256 | lr 0.05 | 5 steps per epoch" in ok(spmd).stdout
+    path = folder / "spmd" / "checkpoint-0002-000000000.pt"  # Under SPMD it saves NAME.pt too, by xm.save.
+    assert path.is_file() and [h["step"] for h in tt.load_checkpoint(str(path))["history"]] == [5]
 
 
 def test_your_model_without_layerdrop_s_hooks_passes_ruff_and_layerdrop_exits_2_in_one_line(runs, capsys):

@@ -294,8 +294,7 @@ def start_replica(args):
     """Starts this replica's runtime (under SPMD, the one process's), and returns its state: its place in the run."""
     if args.spmd:
         xr.use_spmd()  # Before the runtime starts: every tensor is then one global tensor over the mesh.
-    run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None)
-    run.history, run.epochs = [], []
+    run = types.SimpleNamespace(args=args, device=torch_xla.device(), world=1, rank=0, mesh=None, history=[], epochs=[])
     if args.spmd:
         run.devices = xr.global_runtime_device_count()
         run.mesh = xs.Mesh(np.arange(run.devices), (run.devices,), ("data",))
