@@ -588,7 +588,11 @@ def main(argv=None):
             why = f"{type(XLA_IMPORT_ERROR).__name__}: {str(XLA_IMPORT_ERROR).strip().splitlines()[0]}"
             raise Exit(2, f"error: import torch_xla failed: {why} (on a TPU VM it reads the VM's metadata)")
         hook("prepare", args)
-        dataset(args, train=True)  # Here, before the replicas start, so that they never race to download it.
+        try:  # Once, before the replicas start: they never race to download it, and a missing one is one line here.
+            dataset(args, train=True), dataset(args, train=False)
+        except Exception as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {why}") from e
         resumed = os.path.dirname(args.resume) if args.resume else None
         args.out_dir = args.out_dir or resumed or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(local_folder(args.out_dir), exist_ok=True)
@@ -761,10 +765,6 @@ def prepare(args):
         with socket.socket() as s:  # (gRPC shares a busy port silently: SO_REUSEPORT)
             s.bind(("localhost", 0))
             args.coordinator_port = s.getsockname()[1]
-    try:  # a missing dataset, in one line
-        dataset(args, train=True), dataset(args, train=False)
-    except Exception as e:
-        raise Exit(2, f"error: cannot read the dataset in --data-dir {args.data_dir}: {first_line(e)}") from e
     LAUNCHER.update(kind=kind, host=host, hosts=hosts, prepared=time.time())
 
 
