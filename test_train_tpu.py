@@ -1392,6 +1392,13 @@ def test_a_replica_process_that_ends_before_its_replica_returned_is_a_death_even
             assert (ended.code, ended.line, at) == (1, line, "training")
         else:
             assert found is None  # its replica returned first: the pool's ordinary end
+    child = fork.Process(target=time.sleep, args=(0.5,))  # xmp.spawn's pool, ended by a process that failed to start
+    child.start()
+    control.seen[child.pid] = child
+    child.join()
+    tt.write_json(os.path.join(control.folder, "failed-p0"), [1, "replica process 0 ... failed to start", "setup"])
+    ended, at = control.why_replicas_ended()  # (the watch looked once its pool had ended: the failure, not an exit)
+    assert (ended.code, ended.line, at) == (1, "replica process 0 ... failed to start", "setup")
 
 
 def test_the_launchers_watch_ends_with_the_run(tmp_path):

@@ -1211,22 +1211,29 @@ class Control:
     def why_replicas_ended(self):  # (an Exit, its stage) of a process ended before its replicas, or of a failure
         replicas = self.replicas()
         self.seen.update((p.pid, p) for p in self.children())
-        # A copy: the watch thread and exit_for() may both be here. A SIGABRT comes last: it is how the coordination
-        # service ends the other processes once one has died, so the other death is the cause to name.
-        for p in sorted(self.seen.values(), key=lambda p: p.exitcode == -signal.SIGABRT):
+        ended = {}  # {process: its replicas' stages} of the processes that ended before their replicas did
+        for p in list(self.seen.values()):  # (a copy: the watch thread and exit_for() may both be here)
             stages = {rank: stage for rank, (pid, stage, *_) in replicas.items() if pid == p.pid}
-            if p.exitcode is None or (stages and set(stages.values()) == {"ended"}):
-                continue  # alive, or ended after its replicas
-            how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-            if p.exitcode == -signal.SIGABRT:  # XLA's coordination service ends a process so, when another stopped
-                how += ": the coordination service ended it, as a process elsewhere stopped (its log above names the"
-                how += " unhealthy tasks: task K is the process of xr.process_index() K), or it aborted"
-            ranks = " and ".join(f"{rank} (device {replicas[rank][3]})" for rank in stages)
-            who = f"replica {ranks}'s process" if stages else f"replica process {p.pid}"
-            stage = next(iter(stages.values()), "setup")
-            return Exit(1, f"failed: {who} died ({how}) in {stage}; its checkpoints stay"), stage
+            if p.exitcode is not None and not (stages and set(stages.values()) == {"ended"}):
+                ended[p] = stages
+        # A SIGABRT comes last: it is how the coordination service ends the other processes once one has died, so the
+        # other death is the cause to name. A process that exits 0 did not die: xmp.spawn's pool ends so after a
+        # failure, which the replicas that failed alone have named (a process that failed to start, say).
+        order = sorted(ended, key=lambda p: (p.exitcode == 0, p.exitcode == -signal.SIGABRT))
         failed = list(self.read("failed-").values())  # the replicas that failed alone, the first first
-        return (Exit(*failed[0][:2]), failed[0][2]) if failed else None
+        if failed and (not order or order[0].exitcode == 0):
+            return Exit(*failed[0][:2]), failed[0][2]
+        if not order:
+            return None
+        p, stages = order[0], ended[order[0]]
+        how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+        if p.exitcode == -signal.SIGABRT:  # XLA's coordination service ends a process so, when another stopped
+            how += ": the coordination service ended it, as a process elsewhere stopped (its log above names the"
+            how += " unhealthy tasks: task K is the process of xr.process_index() K), or it aborted"
+        ranks = " and ".join(f"{rank} (device {replicas[rank][3]})" for rank in stages)
+        who = f"replica {ranks}'s process" if stages else f"replica process {p.pid}"
+        stage = next(iter(stages.values()), "setup")
+        return Exit(1, f"failed: {who} died ({how}) in {stage}; its checkpoints stay"), stage
 
     def children(self):  # the replica processes alive (none if the replica is in this process)
         return [] if self.in_process else [p for p in multiprocessing.active_children() if p.pid not in self.not_ours]
