@@ -2218,6 +2218,15 @@ print("ADAMW", json.dumps(r.verdict), flush=True)
 """
 
 
+def test_fit_off_the_main_thread_launches_and_leaves_the_signal_handlers_alone(monkeypatch, tmp_path):
+    """Python takes signals in its main thread only: fit() from another thread (a notebook's, say) sets none."""
+    monkeypatch.setattr(tt.xmp, "spawn", lambda *args, **kwargs: None)  # (no replica: the launch around it)
+    handler = signal.getsignal(signal.SIGTERM)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        r = pool.submit(tt.fit, "--cores", 1, "--data", "synthetic", "--out-dir", tmp_path / "run").result()
+    assert (r.model, r.history) == (None, []) and signal.getsignal(signal.SIGTERM) is handler
+
+
 def test_every_end_of_fit_is_an_exception_in_the_callers_process_which_goes_on(runs):
     """A Jupyter kernel lives through fit()'s ends: an interrupt before training, and a grace that ran out. Its SIGTERM
     handler is its own again."""

@@ -619,9 +619,10 @@ def launch(args):
     args.coordinator_port = args.coordinator_port or 8547
     # SIGTERM: a replica in this process stops at its next step. Replica processes stop at the step their service names:
     # this process passes it on, as a container's first process (GKE's) may be the only one to get it.
-    if args.spmd or args.cores == 1:
+    main_thread = threading.current_thread() is threading.main_thread()  # Python takes signals there only.
+    if main_thread and (args.spmd or args.cores == 1):
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(STOP, "signum", signum))
-    else:
+    elif main_thread:
         signal.signal(signal.SIGTERM, pass_on)
     with hook("launch", args) or contextlib.nullcontext():
         if args.spmd:
@@ -1729,7 +1730,8 @@ def fit(*argv):
         main(argv)
     finally:
         FIT.running = False
-        signal.signal(signal.SIGTERM, previous)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
     args, code, line = FIT.end
     if code not in (0, 5):  # (0: the smoke deadline passed after a PASS verdict, or a success)
         raise Exit(code, line)
